@@ -1,0 +1,47 @@
+"""`radixserve-worker` / `python -m model_worker`: load the model, then serve `radixserve.v1.Worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from model_worker.config import WorkerConfig
+from model_worker.engine import Engine, EngineConfig
+from model_worker.loader import resolve_model
+from model_worker.service import WorkerServicer
+from radixserve.config import parse_config
+from radixserve.server import ServiceSpec, serve, setup_logging
+from radixserve.v1 import worker_pb2_grpc
+
+log = logging.getLogger("model_worker")
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(page_size=config.page_size, max_running_requests=config.max_running_requests,
+                        chunked_prefill_size=config.chunked_prefill_size, dtype=config.dtype,
+                        kv_cache_gb=config.l1_cache_size_gb)
+
+
+async def run(config: WorkerConfig) -> None:
+    model_dir = resolve_model(config.model)
+    engine = Engine(model_dir, engine_config(config))
+    log.info("model loaded", extra={"model": engine.info.name, "dtype": engine.info.dtype,
+                                    "fingerprint": engine.info.fingerprint})
+    engine.start()
+    servicer = WorkerServicer(engine, str(model_dir), config.max_running_requests)
+    try:
+        await serve("worker", config.host, config.port, config.metrics_port,
+                    [ServiceSpec(servicer, worker_pb2_grpc.add_WorkerServicer_to_server, "radixserve.v1.Worker")],
+                    grace_s=config.drain_grace_s)
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(WorkerConfig, argv)
+    setup_logging(config.log_level)
+    asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    main()

