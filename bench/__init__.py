@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench quick` (`make bench`) compares radixserve with baselines in the same run."""

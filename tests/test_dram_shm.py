@@ -1,0 +1,196 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcached.tiers.dram_shm import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    SlabPool,
+    cleanup_stale_segments,
+    new_segment_name,
+    pid_alive,
+    segment_pid,
+)
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
+
+SLOT = 64
+DEAD_PID = 2**22 + 1  # above Linux's pid_max limit, so never alive
+
+
+def ours() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_in_dev_shm():
+    before = ours()
+    yield
+    assert ours() <= before, f"left behind: {ours() - before}"
+
+
+@pytest.fixture
+def pool():
+    pool = SlabPool.create(new_segment_name(), SLOT, 4)
+    yield pool
+    pool.check_integrity()
+    pool.close()
+    pool.unlink()
+
+
+def test_allocate_in_order_then_runs_short(pool):
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.num_free == 1
+    assert pool.allocate(3) == [3]
+    assert pool.allocate(1) == []
+    assert pool.allocate(0) == []
+
+
+def test_freed_slots_come_back_first(pool):
+    pool.allocate(4)
+    pool.free([1, 3])
+    pool.check_integrity()
+    assert pool.num_free == 2
+    assert pool.allocate(2) == [3, 1]
+
+
+@pytest.mark.parametrize("slots", [[0, 0], [2], [7], [-1]])
+def test_bad_free_raises_and_frees_nothing(pool, slots):
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="allocated slots"):
+        pool.free(slots)
+    assert pool.num_free == 2
+
+
+def test_negative_allocate_raises(pool):
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+
+
+@pytest.mark.parametrize("slot_bytes, num_slots", [(0, 4), (64, 0)])
+def test_bad_geometry_raises(pool, slot_bytes, num_slots):
+    with pytest.raises(ValueError, match=">= 1"):
+        SlabPool.create(new_segment_name(), slot_bytes, num_slots)
+    with pytest.raises(ValueError, match=">= 1"):
+        SlabPool.attach(pool.name, slot_bytes, num_slots)
+
+
+def test_create_refuses_more_than_dev_shm_holds():
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    with pytest.raises(ValueError, match="bytes free"):
+        SlabPool.create(new_segment_name(), 1 << 20, free // (1 << 20) + 1)
+
+
+def test_views_are_disjoint_slots(pool):
+    pool.view(1)[:] = b"\xff" * SLOT
+    assert len(pool.view(1)) == SLOT
+    assert bytes(pool.view(0)) == bytes(pool.view(2)) == bytes(SLOT)
+    assert bytes(pool.buffer[SLOT:2 * SLOT]) == b"\xff" * SLOT
+
+
+@pytest.mark.parametrize("slot", [-1, 4])
+def test_view_out_of_range_raises(pool, slot):
+    with pytest.raises(ValueError, match="out of range"):
+        pool.view(slot)
+
+
+def test_attached_client_shares_bytes_and_cannot_allocate(pool):
+    client = SlabPool.attach(pool.name, SLOT, 4)
+    client.view(2)[:5] = b"hello"
+    assert bytes(pool.view(2)[:5]) == b"hello"
+    for call in (lambda: client.allocate(1), lambda: client.free([]), lambda: client.num_free, client.unlink):
+        with pytest.raises(RuntimeError, match="owning"):
+            call()
+    client.close()
+
+
+def test_attach_checks_name_and_size(pool):
+    with pytest.raises(FileNotFoundError):
+        SlabPool.attach(new_segment_name(), SLOT, 4)
+    with pytest.raises(ValueError, match="holds"):
+        SlabPool.attach(pool.name, SLOT, 4096)
+
+
+def test_close_refuses_while_a_view_is_alive(pool):
+    other = SlabPool.attach(pool.name, SLOT, 4)
+    view = other.view(0)
+    with pytest.raises(BufferError):
+        other.close()
+    view.release()
+    other.close()
+
+
+def test_a_client_exiting_does_not_unlink_the_segment(pool):
+    code = (f"from kvcached.tiers.dram_shm import SlabPool\n"
+            f"p = SlabPool.attach({pool.name!r}, {SLOT}, 4)\n"
+            f"p.view(3)[:2] = b'ok'\n"
+            f"p.close()\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    assert "leaked" not in child.stderr
+    assert os.path.exists(os.path.join(SHM_DIR, pool.name))
+    assert bytes(pool.view(3)[:2]) == b"ok"
+
+
+@pytest.mark.parametrize("name, pid", [
+    ("radixserve_123_ab12cd34", 123),
+    ("radixserve_123_", 123),
+    ("radixserve_x1_ab12cd34", None),
+    ("radixserve_123", None),
+    ("other_123_ab12cd34", None),
+])
+def test_segment_pid(name, pid):
+    assert segment_pid(name) == pid
+
+
+def test_new_segment_name_embeds_our_pid():
+    assert segment_pid(new_segment_name()) == os.getpid()
+    assert segment_pid(new_segment_name(pid=7)) == 7
+
+
+def test_pid_alive():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert pid_alive(os.getpid())
+    assert not pid_alive(child.pid)
+    assert not pid_alive(0) and not pid_alive(-1)
+
+
+@pytest.fixture
+def fake_segments():
+    """Makes files in /dev/shm under a prefix of this test run's own; on Linux a POSIX shm segment is such a file."""
+    prefix = f"{SEGMENT_PREFIX}test{os.getpid()}_"
+    made = []
+
+    def make(suffix: str) -> Path:
+        made.append(Path(SHM_DIR, prefix + suffix))
+        made[-1].write_bytes(b"x")
+        return made[-1]
+
+    yield prefix, make
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+def test_cleanup_removes_only_segments_of_dead_owners(fake_segments):
+    prefix, make = fake_segments
+    dead, live, odd = make(f"{DEAD_PID}_ab12cd34"), make(f"{os.getpid()}_ab12cd34"), make("notapid_x")
+    assert cleanup_stale_segments(prefix) == [dead.name]
+    assert not dead.exists() and live.exists() and odd.exists()
+
+
+def test_cleanup_asks_the_injected_liveness_check(fake_segments):
+    prefix, make = fake_segments
+    gone, kept = make("5_a"), make("6_b")
+    asked = []
+    removed = cleanup_stale_segments(prefix, live_pid_check=lambda pid: asked.append(pid) or pid == 6)
+    assert removed == [gone.name] and sorted(asked) == [5, 6]
+    assert kept.exists()
+
+
+def test_cleanup_without_shm_dir_is_a_no_op(tmp_path):
+    assert cleanup_stale_segments(shm_dir=str(tmp_path / "missing")) == []
