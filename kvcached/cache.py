@@ -1,0 +1,283 @@
+"""The daemon's core: per-model namespaces (an L2 slab pool and its radix index), leases and allocations.
+
+No gRPC here; `kvcached.service` translates. Not thread-safe: the service calls it from its event loop only.
+
+Life of a block:
+    AllocateSlots ─► worker writes the block's bytes into the slot ─► CommitBlocks ─► cached in the index
+                                          (an allocation not committed before its TTL returns to the pool)
+    MatchPrefix(lease) ─► worker copies the slots into its L1 ─► ReleaseLease (or the lease's TTL passes)
+
+Contracts
+- A leased slot is neither evicted nor reused until its lease is released or expires.
+- An allocated slot belongs to its allocation until CommitBlocks or expiry; commits may only name its slots.
+- `check_integrity()`: per namespace, free + allocated + cached slots = total, and the index is consistent.
+- Errors: `NotFound` (unknown namespace, lease or allocation, e.g. expired), `InvalidRequest` (the request is
+  wrong in itself), `Conflict` (disagrees with the registered namespace), `Exhausted` (no shared memory for a new
+  pool). The cache is unchanged after any of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvcached.keys import block_hashes, namespace_key
+from kvcached.radix import Lease, RadixIndex
+from kvcached.tiers.dram_shm import SlabPool, new_segment_name
+
+log = logging.getLogger("kvcached.cache")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class NotFound(KeyError):
+    pass
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+class Conflict(ValueError):
+    pass
+
+
+class Exhausted(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    layout: str
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+class Match(NamedTuple):
+    pages: int
+    l2_slots: tuple[int, ...]
+    lease_id: str | None  # None without a lease or without a match
+
+
+class Allocation(NamedTuple):
+    allocation_id: str
+    slots: tuple[int, ...]
+    evicted: int  # cached pages evicted to make room
+
+
+class Commit(NamedTuple):
+    inserted: int
+    already_cached: int
+
+
+@dataclass
+class _Held:
+    """A lease or an allocation: what it holds and when it expires."""
+
+    namespace: Namespace
+    expires_at: float
+    lease: Lease | None = None
+    slots: frozenset[int] = frozenset()
+
+
+@dataclass
+class Namespace:
+    fingerprint: str
+    geometry: Geometry
+    pool: SlabPool
+    index: RadixIndex = field(default_factory=RadixIndex)
+    allocated: set[int] = field(default_factory=set)
+
+    def free_slots_for(self, count: int) -> int:
+        """Evicts least-recently-used unlocked pages until `count` slots are free (or nothing more can go)."""
+        evicted = self.index.evict(max(0, count - self.pool.num_free))
+        self.pool.free(evicted)
+        return len(evicted)
+
+
+class KVCache:
+    """See the module docstring. `clock` is injectable so that tests can expire leases without sleeping."""
+
+    def __init__(self, host_cache_bytes: int, page_size: int, lease_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self._pool_bytes = host_cache_bytes
+        self._page_size = page_size
+        self._ttl = lease_ttl_s
+        self._clock = clock
+        self._namespaces: dict[str, Namespace] = {}
+        self._held: dict[str, _Held] = {}
+        self._ids = itertools.count(1)
+
+    # -- namespaces --------------------------------------------------------------------------------------------
+    def register(self, fingerprint: str, geometry: Geometry) -> Namespace:
+        """The namespace of `fingerprint`, creating its pool on first registration."""
+        if geometry.dtype not in DTYPE_BYTES:
+            raise InvalidRequest(f"geometry.dtype {geometry.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if geometry.page_size != self._page_size:
+            raise Conflict(f"geometry.page_size {geometry.page_size} != kvcached --page-size {self._page_size}")
+        if min(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) < 1 or not fingerprint:
+            raise InvalidRequest("model_fingerprint and every geometry size must be set")
+        existing = self._namespaces.get(fingerprint)
+        if existing is not None:
+            if existing.geometry != geometry:
+                raise Conflict(f"namespace {fingerprint[:12]} is registered with {existing.geometry}, not {geometry}")
+            return existing
+        num_slots = self._pool_bytes // geometry.block_bytes
+        if num_slots < 1:
+            raise InvalidRequest(f"one block is {geometry.block_bytes} bytes: larger than the whole L2 pool")
+        name = new_segment_name()
+        try:
+            pool = SlabPool.create(name, geometry.block_bytes, num_slots)
+        except ValueError as e:  # /dev/shm smaller than --host-cache-size-gb
+            raise Exhausted(str(e)) from None
+        namespace = Namespace(fingerprint, geometry, pool)
+        self._namespaces[fingerprint] = namespace
+        log.info("Radix cache enabled", extra={"namespace": fingerprint[:12], "capacity_blocks": num_slots,
+                                               "segment": name})
+        return namespace
+
+    def namespace(self, fingerprint: str) -> Namespace:
+        try:
+            return self._namespaces[fingerprint]
+        except KeyError:
+            raise NotFound(f"namespace {fingerprint[:12]!r} is not registered") from None
+
+    def _hashes(self, namespace: Namespace, cache_salt: str, token_ids: Sequence[int]):
+        try:
+            return block_hashes(namespace_key(namespace.fingerprint, cache_salt), token_ids, self._page_size)
+        except ValueError as e:
+            raise InvalidRequest(f"token_ids: {e}") from None
+
+    # -- match and leases --------------------------------------------------------------------------------------
+    def match(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], lease: bool,
+              ttl_s: float | None = None) -> Match:
+        """The longest cached prefix; with `lease`, its slots stay pinned until `release` or the TTL."""
+        namespace = self.namespace(fingerprint)
+        result = namespace.index.match(self._hashes(namespace, cache_salt, token_ids), lock=lease)
+        if result.lease is None:
+            return Match(result.pages, result.l2_slots, None)
+        if result.pages == 0:
+            namespace.index.unlock(result.lease)
+            return Match(0, (), None)
+        lease_id = self._hold(_Held(namespace, self._expiry(ttl_s), lease=result.lease))
+        return Match(result.pages, result.l2_slots, lease_id)
+
+    def release(self, lease_id: str) -> None:
+        held = self._held.get(lease_id)
+        if held is None or held.lease is None:
+            raise NotFound(f"lease {lease_id!r} is unknown or expired")
+        self._drop(lease_id)
+
+    # -- allocate and commit -----------------------------------------------------------------------------------
+    def allocate(self, fingerprint: str, count: int, ttl_s: float | None = None) -> Allocation:
+        """Up to `count` free slots, evicting LRU pages to make room; fewer when the rest are pinned."""
+        namespace = self.namespace(fingerprint)
+        if count < 0:
+            raise InvalidRequest(f"count must be >= 0, got {count}")
+        evicted = namespace.free_slots_for(count)
+        slots = tuple(namespace.pool.allocate(count))
+        namespace.allocated.update(slots)
+        return Allocation(self._hold(_Held(namespace, self._expiry(ttl_s), slots=frozenset(slots))), slots, evicted)
+
+    def commit(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], first_page: int,
+               slots: Sequence[int], allocation_id: str) -> Commit:
+        """Caches pages [first_page, first_page + len(slots)) of `token_ids` in `slots` of the allocation.
+
+        The allocation ends here: its slots that were not inserted return to the pool. Pages before `first_page`
+        must still be cached (else nothing is inserted: the chain would have a gap).
+        """
+        namespace = self.namespace(fingerprint)
+        if first_page < 0:
+            raise InvalidRequest(f"first_page must be >= 0, got {first_page}")
+        held = self._held.get(allocation_id)
+        if held is None or held.lease is not None or held.namespace is not namespace:
+            raise NotFound(f"allocation {allocation_id!r} is unknown, expired, or of another namespace")
+        stray = set(slots) - held.slots
+        if stray or len(set(slots)) != len(slots):
+            raise InvalidRequest(f"slots {sorted(stray) or list(slots)} are not this allocation's, or repeat")
+        hashes = self._hashes(namespace, cache_salt, token_ids)
+        if first_page + len(slots) > len(hashes):
+            raise InvalidRequest(f"pages [{first_page}, {first_page + len(slots)}) exceed the {len(hashes)} full "
+                                 "pages of token_ids")
+        prefix = namespace.index.match(hashes[:first_page])
+        inserted, already_cached = set(), 0
+        if prefix.pages == first_page:
+            result = namespace.index.insert(hashes[:first_page + len(slots)], list(prefix.l2_slots) + list(slots))
+            inserted = set(slots) - set(result.unused_slots)
+            already_cached = result.cached_pages - first_page
+        held.slots -= inserted
+        namespace.allocated -= inserted
+        self._drop(allocation_id)  # the allocation's other slots return to the pool
+        return Commit(len(inserted), already_cached)
+
+    # -- expiry and bookkeeping --------------------------------------------------------------------------------
+    def expire(self) -> int:
+        """Drops every lease and allocation past its TTL; returns how many."""
+        now = self._clock()
+        expired = [key for key, held in self._held.items() if held.expires_at <= now]
+        for key in expired:
+            self._drop(key)
+        return len(expired)
+
+    def _expiry(self, ttl_s: float | None) -> float:
+        return self._clock() + (ttl_s or self._ttl)
+
+    def _hold(self, held: _Held) -> str:
+        key = f"{next(self._ids):x}-{os.urandom(4).hex()}"
+        self._held[key] = held
+        return key
+
+    def _drop(self, key: str) -> None:
+        held = self._held.pop(key)
+        if held.lease is not None:
+            held.namespace.index.unlock(held.lease)
+        held.namespace.allocated.difference_update(held.slots)
+        held.namespace.pool.free(list(held.slots))
+
+    def leases(self, namespace: Namespace | None = None) -> int:
+        return sum(1 for held in self._held.values()
+                   if held.lease is not None and namespace in (None, held.namespace))
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._namespaces.values())
+
+    def allocations(self, namespace: Namespace | None = None) -> int:
+        return sum(1 for held in self._held.values()
+                   if held.lease is None and namespace in (None, held.namespace))
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless, per namespace, free + allocated + cached slots = total, the allocated set
+        is exactly the live allocations' slots (each in one allocation), and index and pool are consistent."""
+        held_slots = {id(ns): [] for ns in self._namespaces.values()}
+        for held in self._held.values():
+            held_slots[id(held.namespace)] += held.slots
+        for namespace in self._namespaces.values():
+            namespace.index.check_integrity()
+            namespace.pool.check_integrity()
+            slots = held_slots[id(namespace)]
+            if len(slots) != len(set(slots)) or set(slots) != namespace.allocated:
+                raise AssertionError(f"allocated slots {sorted(namespace.allocated)} != the allocations' {slots}")
+            cached, allocated = namespace.index.total_pages, len(namespace.allocated)
+            if namespace.pool.num_free + allocated + cached != namespace.pool.num_slots:
+                raise AssertionError(f"free {namespace.pool.num_free} + allocated {allocated} + cached {cached} "
+                                     f"!= total {namespace.pool.num_slots}")
+
+    def close(self) -> None:
+        """Unlinks every pool; the cache is unusable afterwards."""
+        for namespace in self._namespaces.values():
+            namespace.pool.close()
+            namespace.pool.unlink()
+        self._namespaces.clear()
+        self._held.clear()
