@@ -45,8 +45,8 @@ def test_grpcurl_lists_services_checks_health_and_generates(stack):
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert "Paris" in reply["text"]
-    assert reply["finishReason"] in ("stop", "length")
-    assert int(reply["usage"]["promptTokens"]) > 10
+    assert reply["finish_reason"] in ("stop", "length")
+    assert int(reply["usage"]["prompt_tokens"]) > 10
 
 
 def test_streaming_deltas_add_up_to_the_unstreamed_answer(stack):

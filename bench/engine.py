@@ -1,0 +1,77 @@
+"""Engine against plain transformers, same model, same dtype, same run (issue: foundation benchmark).
+
+- decode: one request, greedy, N new tokens: tokens/s of `Engine` vs `model.generate`.
+- batch: 8 concurrent requests vs one: total decode tokens/s of the engine.
+- prefill: one 2,048-token prompt: our prefill vs one transformers forward of the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_worker.engine import Engine, EngineConfig, SamplingParams
+from model_worker.loader import resolve_model
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ours: float
+    baseline: float
+    unit: str
+    goal: str
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.baseline
+
+
+def _prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def run(dtype: str = "bfloat16", new_tokens: int = 64, prefill_tokens: int = 2048, batch: int = 8) -> list[Row]:
+    model_dir = resolve_model("")
+    engine = Engine(model_dir, EngineConfig(dtype=dtype, max_running_requests=batch,
+                                            chunked_prefill_size=prefill_tokens))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    prompt = _prompt(32, 0)
+    engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4))  # warm-up both
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+
+    one = _timed(lambda: engine.generate([prompt], greedy))
+    with torch.inference_mode():
+        hf_one = _timed(lambda: hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                            do_sample=False))
+    prompts = [_prompt(32, i) for i in range(batch)]
+    many = _timed(lambda: engine.generate(prompts, greedy))
+    long = _prompt(prefill_tokens, 1)
+    prefill = _timed(lambda: engine.generate([long], SamplingParams(temperature=0, max_new_tokens=1)))
+    with torch.inference_mode():
+        hf_prefill = _timed(lambda: hf(torch.tensor([long])))
+    return [
+        Row("single-request decode", new_tokens / one, new_tokens / hf_one, "tok/s", "ours >= transformers generate"),
+        Row(f"{batch} concurrent vs 1 (engine)", batch * new_tokens / many, new_tokens / one, "tok/s", ">= 3x"),
+        Row(f"prefill {prefill_tokens} tokens", 1 / prefill, 1 / hf_prefill, "prefills/s",
+            "ours >= 1/1.2 of transformers forward"),
+    ]
+
+
+def table(rows: list[Row], dtype: str) -> str:
+    lines = [f"| engine benchmark ({dtype}) | ours | baseline | unit | ratio | goal |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.ours:.2f} | {r.baseline:.2f} | {r.unit} | {r.ratio:.2f}x | {r.goal} |" for r in rows]
+    return "\n".join(lines)

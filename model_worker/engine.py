@@ -1,0 +1,370 @@
+"""The model engine: requests in, token/text deltas out, continuous batching over the paged KV pool.
+
+Threading contract:
+- `add_request` and `abort` may be called from any thread; they take the engine lock briefly.
+- The step loop (`start()` runs it on a background thread; tests call `step()` directly) schedules under the lock,
+  runs the forward WITHOUT it, then samples and emits outputs under it again.
+- `on_output` is called with the engine lock held, from the engine thread — except the final "abort" output, which
+  `abort` delivers on the caller's thread. Because both hold the lock, a request's "abort" output is always its
+  last. Callbacks must be cheap and must not block (e.g. `queue.put_nowait` / `loop.call_soon_threadsafe`).
+- `abort` frees the request's pages at once. A forward already in flight may still write to those pages; nothing
+  can reuse them before that forward ends, because allocation happens only in `schedule`, under the lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from model_worker.attention import Chunk, select_backend
+from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
+from model_worker.kv_pool import LAYOUT, KVPool, pages_for_budget
+from model_worker.loader import weights_digest
+from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
+from model_worker.sampler import SamplingRow, make_generator, sample
+from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
+from radixserve.config import setting
+
+log = logging.getLogger("model_worker.engine")
+
+
+class DType(str, enum.Enum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 is greedy, top_k 0 and top_p 1.0 are off, seed None is random."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and how much KV it holds."""
+
+    page_size: int = setting(16, "tokens per KV page (the cache block size)")
+    max_running_requests: int = setting(16, "sequences decoded together; bounds the batch")
+    chunked_prefill_size: int = setting(512, "prompt tokens per step, so long prompts don't stall decodes")
+    num_pages: int = setting(0, "KV pool pages; 0 = as many as --kv-cache-gb holds")
+    kv_cache_gb: float = setting(1.0, "L1 KV pool size in GiB when --num-pages is 0 (1 GiB: ~23k float32 tokens)")
+    dtype: DType = setting(DType.AUTO, "auto = bfloat16 on CUDA or AVX512-BF16/AMX CPUs, else float32")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or (self.num_pages == 0 and self.kv_cache_gb <= 0):
+            raise ValueError("num_pages must be >= 0 and kv_cache_gb > 0 when num_pages is 0")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    fingerprint: str  # namespace of cache block keys: weights, dtype and KV shape/layout
+    dtype: str
+    max_context: int
+    vocab_size: int
+    page_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    pages_used: int
+    pages_total: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's news for a request: new token ids and text delta; timings on the first and final outputs."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    cached_tokens: int | None = None
+
+
+def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
+    if dtype is DType.AUTO:
+        fast_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_supports_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return torch.bfloat16 if dtype is DType.BFLOAT16 else torch.float32
+
+
+def eos_ids(model_dir: Path, hf_config: object, tokenizer: object) -> tuple[int, ...]:
+    """Union of the eos ids in config.json, generation_config.json and the tokenizer."""
+    found: list[object] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        found.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    ids: set[int] = set()
+    for value in found:
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return tuple(sorted(ids))
+
+
+class Engine:
+    """Loads a model and serves requests; see the module docstring for the threading contract."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig = EngineConfig()) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        model_dir = Path(model_dir)
+        self.config = config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model: CausalLM = load_model(model_dir, hf_config, self.dtype, self.device)
+        shape = self.model.shape
+        num_pages = config.num_pages or pages_for_budget(config.kv_cache_gb, shape.num_layers, config.page_size,
+                                                         shape.num_kv_heads, shape.head_dim, self.dtype)
+        self.pool = KVPool(num_pages, shape.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim,
+                           self.dtype, self.device)
+        backend = select_backend(self.pool, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
+                                             self.device))
+        self.backend = backend
+        self.scheduler = Scheduler(self.pool, config.max_running_requests, config.chunked_prefill_size)
+        self.info = self._make_info(model_dir, hf_config)
+        self._eos = frozenset(self.info.eos_token_ids)
+        self._cond = threading.Condition(threading.RLock())
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        log.info("engine ready: %s dtype=%s pages=%d x %d tokens", self.info.name, self.info.dtype, num_pages,
+                 config.page_size)
+
+    def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
+        shape = self.model.shape
+        dtype = str(self.dtype).removeprefix("torch.")
+        parts = [weights_digest(model_dir), dtype, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                 self.config.page_size, LAYOUT]
+        return EngineInfo(
+            name=model_dir.name,
+            fingerprint=hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest(),
+            dtype=dtype,
+            max_context=shape.max_position_embeddings,
+            vocab_size=shape.vocab_size,
+            page_size=self.config.page_size,
+            eos_token_ids=eos_ids(model_dir, hf_config, self.tokenizer),
+        )
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    on_output: Callable[[RequestOutput], None]) -> None:
+        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id)."""
+        seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output)
+        with self._cond:
+            if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
+                raise ValueError(f"request id {request_id!r} is already running")
+            self.scheduler.add(seq)
+            self._cond.notify()
+
+    def _new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                      on_output: Callable[[RequestOutput], None]) -> Sequence:
+        max_context = self.info.max_context
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= max_context:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of {max_context}")
+        if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.info.vocab_size})")
+        seq = Sequence(
+            request_id=request_id, token_ids=prompt, prompt_len=len(prompt),
+            max_tokens=min(len(prompt) + sampling.max_new_tokens, max_context), sampling=sampling,
+            on_output=on_output,
+            generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None,
+            detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
+        )
+        if pages_needed(seq, self.pool.page_size) > self.pool.num_pages:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} needs "
+                             f"{pages_needed(seq, self.pool.page_size)} KV pages; the pool has {self.pool.num_pages}")
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request now and frees its pages; its final output (finish_reason "abort") is sent from here."""
+        with self._cond:
+            seq = self.scheduler.remove(request_id)
+            if seq is None:
+                return
+            seq.finished = True
+            self._emit(seq, [], "", "abort")
+
+    def load(self) -> Load:
+        with self._cond:
+            return Load(len(self.scheduler.running), len(self.scheduler.waiting),
+                        self.pool.num_pages - self.pool.num_free, self.pool.num_pages)
+
+    # -- stepping ----------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Runs one forward over the next batch; False when there was nothing to run. One stepping thread only."""
+        with self._cond:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return False
+            inputs = self._prepare_inputs(chunks)
+        logits = self.model(*inputs)
+        with self._cond:
+            self._process(chunks, logits)
+        return True
+
+    def _prepare_inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ...]:
+        now = time.perf_counter()
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.start
+            seq.scheduled_at = seq.scheduled_at or now
+            ids.extend(seq.token_ids[start:start + chunk.length])
+            positions.extend(range(start, start + chunk.length))
+            if chunk.samples:
+                logits_rows.append(len(ids) - 1)
+        meta = self.backend.prepare(
+            [Chunk(self.pool.block_table(c.seq.request_id), c.start, c.length) for c in chunks])
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return tensor(ids), tensor(positions), meta, tensor(logits_rows)
+
+    def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        sampling_chunks = [c for c in chunks if c.samples]
+        rows = [SamplingRow(c.seq.sampling.temperature, c.seq.sampling.top_k, c.seq.sampling.top_p,
+                            c.seq.generator) for c in sampling_chunks]
+        tokens = sample(logits, rows) if rows else []
+        for chunk in chunks:
+            if not chunk.seq.finished:
+                chunk.seq.num_computed += chunk.length
+        for chunk, token in zip(sampling_chunks, tokens):
+            if not chunk.seq.finished:
+                self._append_token(chunk.seq, token)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        seq.first_token_at = seq.first_token_at or time.perf_counter()
+        text, hit_stop = "", False
+        if not self._is_eos(seq, token):
+            text, hit_stop = seq.stop_filter.push(seq.detokenizer.add(token))
+        finish = "stop" if hit_stop or self._is_eos(seq, token) else None
+        if finish is None and len(seq.token_ids) >= seq.max_tokens:
+            finish = "length"
+        if finish is not None and not hit_stop:
+            text += seq.stop_filter.push(seq.detokenizer.flush())[0] + seq.stop_filter.flush()
+        if finish is not None:
+            self.scheduler.finish(seq)
+        self._emit(seq, [token], text, finish)
+
+    def _is_eos(self, seq: Sequence, token: int) -> bool:
+        return token in self._eos and not seq.sampling.ignore_eos
+
+    def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None) -> None:
+        timed = finish is not None or seq.num_output == 1
+        queue_ms = prefill_ms = cached = None
+        if timed:
+            started = seq.scheduled_at or time.perf_counter()
+            queue_ms = (started - seq.arrival) * 1e3
+            prefill_ms = ((seq.first_token_at or started) - started) * 1e3
+            cached = 0
+        output = RequestOutput(seq.request_id, tuple(tokens), text, finish, queue_ms, prefill_ms, cached)
+        try:
+            seq.on_output(output)
+        except Exception:  # a broken callback must not take the other requests down with it
+            log.exception("on_output of request %s failed", seq.request_id)
+
+    # -- background loop ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Runs the step loop on a daemon thread until `stop()`."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the loop after the current step; queued requests stay queued."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                if not self.step():
+                    with self._cond:
+                        self._cond.wait(0.01)
+            except Exception:
+                log.exception("engine step failed; aborting the running requests")
+                self._abort_running()
+
+    def _abort_running(self) -> None:
+        with self._cond:
+            for seq in list(self.scheduler.running):
+                self.abort(seq.request_id)
+
+    # -- convenience -------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Runs `prompts` together to completion; the generated token ids of each (eos included when hit)."""
+        results: dict[str, list[int]] = {}
+        done = threading.Event()
+        remaining = [len(prompts)]
+
+        def collect(output: RequestOutput) -> None:
+            results.setdefault(output.request_id, []).extend(output.token_ids)
+            if output.finish_reason is not None:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        request_ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt in zip(request_ids, prompts):
+            self.add_request(request_id, prompt, sampling, collect)
+        while not done.is_set():
+            if self._thread is not None:
+                done.wait()
+            elif not self.step():
+                raise RuntimeError("engine idle with unfinished requests")
+        return [results.get(request_id, []) for request_id in request_ids]

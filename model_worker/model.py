@@ -1,0 +1,250 @@
+"""Our torch implementation of Llama-family decoders (Llama, SmolLM, Mistral, Qwen2) over the paged KV pool.
+
+Numerics mirror transformers' modeling_llama / modeling_qwen2 so that greedy outputs match: separate q/k/v/o
+projections, RMSNorm in float32 then `weight * hidden.to(input_dtype)`, RoPE cos/sin computed in float32 then cast
+to the activation dtype, SiLU(gate) * up. Module names equal HF's, so a safetensors state dict loads as is.
+One deliberate exception, chosen once at load: bfloat16 on a CPU without native bf16 GEMM uses `UpcastLinear`.
+
+Tokens of several sequences are flattened: `forward(input_ids [T], positions [T], meta, logits_rows [N])` returns
+float32 logits [N, vocab] for the chosen rows only (the last token of each sequence that samples this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from model_worker.attention import AttentionBackend
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine needs to know about a model, read once from its HF config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,  # Qwen2: bias on q/k/v only
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings from a transformers-5 config (`rope_parameters`) or an older one (`rope_theta`, `rope_scaling`)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_tables(config: Any, head_dim: int, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, head_dim] computed in float32 like HF's rotary embedding, then cast to `dtype`."""
+    params = rope_parameters(config)
+    scaling = 1.0
+    if params["rope_type"] == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, device)
+    positions = torch.arange(max_positions, device=device, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(input_dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class UpcastLinear(nn.Linear):
+    """A bfloat16 Linear for CPUs without native bf16 GEMM (no AVX512-BF16/AMX).
+
+    There, torch's bf16 GEMV (one row) is fast but its bf16 GEMM is emulated and scales with the row count (8 rows:
+    6x slower than float32). Beyond `GEMV_ROWS` rows this computes in float32 — bf16 products are exact in float32
+    and the bf16 kernel also accumulates in float32 — then rounds to bf16; only the summation order differs.
+    """
+
+    GEMV_ROWS = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.GEMV_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU has native bfloat16 matrix instructions (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def linear_class(dtype: torch.dtype, device: torch.device) -> type[nn.Linear]:
+    """`UpcastLinear` for bfloat16 on a CPU without native bf16 GEMM, else `nn.Linear` (HF's exact kernels)."""
+    emulated_bf16 = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_supports_bf16()
+    return UpcastLinear if emulated_bf16 else nn.Linear
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_proj = linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.k_proj = linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.v_proj = linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.o_proj = linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=shape.o_bias)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: Any) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return self.o_proj(backend.attend(self.layer, q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear]) -> None:
+        super().__init__()
+        self.gate_proj = linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.up_proj = linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear]) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape, layer, linear)
+        self.mlp = MLP(shape, linear)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, backend, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i, linear) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder reading and writing K/V through an `AttentionBackend`."""
+
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear] = nn.Linear) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = DecoderBody(shape, linear)
+        self.lm_head = linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def bind(self, backend: AttentionBackend, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Attaches the attention backend and the precomputed RoPE tables; call once before `forward`."""
+        self.backend = backend
+        self.rope_cos, self.rope_sin = rope
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """Runs all layers over the flat tokens; float32 logits [len(logits_rows), vocab]."""
+        cos = self.rope_cos[positions][:, None, :]
+        sin = self.rope_sin[positions][:, None, :]
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, self.backend, meta)
+        hidden = self.model.norm(hidden[logits_rows])
+        return self.lm_head(hidden).float()
+
+
+def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Builds the model without random init and loads the safetensors weights of `model_dir`, cast to `dtype`."""
+    shape = ModelShape.from_config(config)
+    with torch.device("meta"):
+        model = CausalLM(shape, linear_class(dtype, device))
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(file, device=str(device)))
+    if "lm_head.weight" not in state:
+        if not shape.tie_word_embeddings:
+            raise ValueError(f"{model_dir}: no lm_head.weight and tie_word_embeddings is false")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if shape.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)

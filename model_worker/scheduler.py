@@ -1,0 +1,129 @@
+"""Continuous-batching scheduler: which sequences run in the next forward, and how many tokens each.
+
+Per step (`schedule`):
+  1. every running sequence that has finished its prompt decodes 1 token (decode never waits for prefill);
+  2. running sequences still in their prompt take prompt chunks, at most `chunked_prefill_size` tokens in all;
+  3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` and
+     the page reservation allow; admission stops at the first that does not fit (no overtaking).
+
+Page reservation: a running sequence may need `pages_for(max_tokens - 1)` pages by its end (the last sampled token
+is never fed back). Admission requires the free pages to cover the not-yet-allocated part of every running
+sequence's need plus the newcomer's, so a step can always allocate its pages: no preemption, no OOM mid-decode.
+A request whose pages are not free waits in the queue. Pages are allocated lazily, a page at a time.
+
+The scheduler is not thread-safe; the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
+from model_worker.kv_pool import KVPool, pages_for_tokens
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable state of one request inside the engine."""
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    prompt_len: int
+    max_tokens: int  # prompt + generated never exceeds this
+    sampling: Any  # engine.SamplingParams (typed loosely: engine imports this module)
+    on_output: Callable[[Any], None]
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    stop_filter: StopStringFilter
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    finished: bool = False
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def pages_needed(seq: Sequence, page_size: int) -> int:
+    """Pages `seq` may hold by its end: K/V of every token but the last sampled one."""
+    return pages_for_tokens(seq.max_tokens - 1, page_size)
+
+
+class ScheduledChunk(NamedTuple):
+    """`length` tokens of `seq` from position `start`; `samples` when the chunk ends the sequence's known tokens."""
+
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool
+
+
+def chunk_of(seq: Sequence, length: int) -> ScheduledChunk:
+    start = seq.num_computed
+    return ScheduledChunk(seq, start, length, start + length == len(seq.token_ids))
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_running: int, chunked_prefill_size: int) -> None:
+        self.pool = pool
+        self.max_running = max_running
+        self.chunked_prefill_size = chunked_prefill_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Takes the sequence out of the queues and frees its pages; None when unknown or already finished."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.pool.release(request_id)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Marks `seq` finished, drops it from the running set and frees its pages at once."""
+        seq.finished = True
+        self.running.remove(seq)
+        self.pool.release(seq.request_id)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The next step's chunks (prefill chunks first, then decodes), with their pages allocated."""
+        decodes = [chunk_of(s, 1) for s in self.running if s.num_computed >= s.prompt_len]
+        prefills: list[ScheduledChunk] = []
+        budget = self.chunked_prefill_size
+        for seq in self.running:
+            if budget > 0 and seq.num_computed < seq.prompt_len:
+                prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))
+                budget -= prefills[-1].length
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self.running.append(seq)
+            prefills.append(chunk_of(seq, min(budget, seq.prompt_len)))
+            budget -= prefills[-1].length
+        chunks = prefills + decodes
+        for chunk in chunks:
+            self.pool.ensure_capacity(chunk.seq.request_id, chunk.start + chunk.length)
+        return chunks
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.max_running:
+            return False
+        outstanding = sum(self._unallocated(s) for s in self.running)
+        return self.pool.num_free - outstanding >= pages_needed(seq, self.pool.page_size)
+
+    def _unallocated(self, seq: Sequence) -> int:
+        return pages_needed(seq, self.pool.page_size) - len(self.pool.block_table(seq.request_id))

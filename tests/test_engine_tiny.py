@@ -1,0 +1,256 @@
+"""Our model and engine on tiny random-weight Llama and Qwen2 models, against transformers in float32."""
+
+import pytest
+import torch
+
+from model_worker.attention import Chunk
+from model_worker.engine import (DType, Engine, EngineConfig, RequestOutput, SamplingParams, cpu_supports_bf16,
+                                 resolve_dtype)
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+PROMPTS = [list(range(100, 140)), [5, 6, 7], list(range(300, 317)), list(range(1000, 1024, 2))]
+
+
+def make_engine(model_dir, **overrides) -> Engine:
+    return Engine(model_dir, EngineConfig(page_size=4, num_pages=64, dtype="float32", **overrides))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir) -> Engine:
+    return make_engine(tiny_llama_dir)
+
+
+def prefill_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits of every position, prefilling `ids` through the pool `chunk` tokens at a time."""
+    rows = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        engine.pool.ensure_capacity("probe", start + len(part))
+        meta = engine.backend.prepare([Chunk(engine.pool.block_table("probe"), start, len(part))])
+        rows.append(engine.model(torch.tensor(part), torch.arange(start, start + len(part)), meta,
+                                 torch.arange(len(part))))
+    engine.pool.release("probe")
+    return torch.cat(rows)
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_logits_match_transformers(request, model_fixture, chunk):
+    model_dir = request.getfixturevalue(model_fixture)
+    ours = make_engine(model_dir)
+    ids = PROMPTS[0]
+    with torch.inference_mode():
+        expected = hf_model(model_dir)(torch.tensor([ids])).logits[0]
+    got = prefill_logits(ours, ids, chunk)
+    # unchunked runs HF's exact kernels (is_causal SDPA); chunks attend to a gathered prefix under a mask
+    tolerance = 1e-5 if chunk >= len(ids) else 1e-4
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    ours.pool.check_integrity()
+
+
+def test_qwen2_has_qkv_bias(tiny_qwen2_dir):
+    attention = make_engine(tiny_qwen2_dir).model.model.layers[0].self_attn
+    assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+
+
+def test_greedy_matches_transformers_generate(engine, tiny_llama_dir):
+    hf = hf_model(tiny_llama_dir)
+    for prompt in PROMPTS[:2]:
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12)
+        assert engine.generate([prompt], GREEDY) == [expected[0, len(prompt):].tolist()]
+
+
+def test_chunked_prefill_gives_same_tokens(engine, tiny_llama_dir):
+    chunked = make_engine(tiny_llama_dir, chunked_prefill_size=8)
+    assert chunked.generate(PROMPTS, GREEDY) == engine.generate(PROMPTS, GREEDY)
+
+
+def test_batched_equals_alone_and_seeded_sampling_is_batch_independent(engine):
+    alone = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert engine.generate(PROMPTS, GREEDY) == alone
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=11, max_new_tokens=12, ignore_eos=True)
+    assert engine.generate(PROMPTS[:1], seeded) == engine.generate(PROMPTS[:3], seeded)[:1]
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def collect(engine: Engine, request_id: str, prompt, sampling) -> list[RequestOutput]:
+    outputs: list[RequestOutput] = []
+    engine.add_request(request_id, prompt, sampling, outputs.append)
+    return outputs
+
+
+def run_until_idle(engine: Engine) -> int:
+    steps = 0
+    while engine.step():
+        steps += 1
+    return steps
+
+
+def test_outputs_timings_and_length(engine):
+    outputs = collect(engine, "r", PROMPTS[1], GREEDY)
+    run_until_idle(engine)
+    assert [len(o.token_ids) for o in outputs] == [1] * 12
+    assert [o.finish_reason for o in outputs] == [None] * 11 + ["length"]
+    timed = [o for o in outputs if o.queue_ms is not None]
+    assert timed == [outputs[0], outputs[-1]]
+    assert all(o.prefill_ms >= 0 and o.cached_tokens == 0 for o in timed)
+
+
+def test_stop_string_cuts_text(engine):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    full = "".join(o.text for o in collect_run(engine, PROMPTS[0], sampling))
+    assert len(full) > 12
+    stop = full[8:12]
+    outputs = collect_run(engine, PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True,
+                                                             stop=(stop,)))
+    assert "".join(o.text for o in outputs) == full[:full.find(stop)]
+    assert outputs[-1].finish_reason == "stop"
+
+
+def collect_run(engine: Engine, prompt, sampling) -> list[RequestOutput]:
+    outputs = collect(engine, "stop-test", prompt, sampling)
+    run_until_idle(engine)
+    return outputs
+
+
+def test_abort_frees_pages_and_sends_final_output(engine):
+    outputs = collect(engine, "a", PROMPTS[0], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.pool.num_free < engine.pool.num_pages
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("a", [1], GREEDY, lambda _: None)
+    engine.abort("a")
+    engine.abort("a")  # unknown now: no-op
+    assert engine.pool.num_free == engine.pool.num_pages
+    assert outputs[-1].finish_reason == "abort" and outputs[-1].queue_ms is not None
+    assert [o.finish_reason for o in outputs].count("abort") == 1
+    assert not engine.step()
+
+
+def test_long_prompt_is_chunked_while_others_decode(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, chunked_prefill_size=8)
+    short = collect(engine, "short", PROMPTS[1], GREEDY)
+    engine.step()  # prefill of the short prompt, first token
+    long = collect(engine, "long", list(range(200, 240)), GREEDY)
+    for step in range(5):  # 40 prompt tokens / 8 per step
+        engine.step()
+        assert len(short) == 2 + step
+        assert (len(long) == 1) == (step == 4)
+    run_until_idle(engine)
+
+
+def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
+    engine = Engine(tiny_llama_dir, EngineConfig(page_size=4, num_pages=8, max_running_requests=3, dtype="float32"))
+    # each needs pages_for(17 + 12 - 1) = 7 pages: only one fits at a time
+    outputs = [collect(engine, f"r{i}", PROMPTS[2], GREEDY) for i in range(3)]
+    max_running = 0
+    while engine.step():
+        max_running = max(max_running, len(engine.scheduler.running))
+        engine.pool.check_integrity()
+    assert max_running == 1
+    assert all(o[-1].finish_reason == "length" and len(o) == 12 for o in outputs)
+    small = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    outputs = [collect(engine, f"s{i}", [1, 2, 3], small) for i in range(5)]
+    engine.step()
+    assert len(engine.scheduler.running) == 3
+    run_until_idle(engine)
+    assert all(o[-1].finish_reason == "length" for o in outputs)
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ([], GREEDY, "empty"),
+    (list(range(512)), GREEDY, "no room"),
+    ([49152], GREEDY, "token ids"),
+    (list(range(200)), SamplingParams(max_new_tokens=100), "KV pages"),
+])
+def test_add_request_rejects_what_cannot_run(engine, prompt, sampling, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, sampling, lambda _: None)
+    assert not engine.scheduler.has_work()
+
+
+def test_background_loop(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    engine.start()
+    try:
+        assert engine.generate(PROMPTS[:2], GREEDY) == [engine_alone for engine_alone in
+                                                        make_engine(tiny_llama_dir).generate(PROMPTS[:2], GREEDY)]
+    finally:
+        engine.stop()
+    assert engine._thread is None
+
+
+def test_info(engine, tiny_llama_dir, tokenizer):
+    info = engine.info
+    assert (info.dtype, info.max_context, info.vocab_size, info.page_size, info.eos_token_ids) == \
+        ("float32", 512, len(tokenizer), 4, (2,))
+    assert len(info.fingerprint) == 64
+    other = Engine(tiny_llama_dir, EngineConfig(page_size=8, num_pages=8, dtype="float32"))
+    assert other.info.fingerprint != info.fingerprint
+
+
+def test_config_validation_and_auto_dtype():
+    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    assert resolve_dtype(DType.AUTO, torch.device("cpu")) is expected
+    assert EngineConfig(dtype="bfloat16").dtype is DType.BFLOAT16
+    for bad in (dict(dtype="float16"), dict(page_size=0), dict(num_pages=0, kv_cache_gb=0)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_background_loop_with_concurrent_adds_and_aborts(tiny_llama_dir):
+    import threading
+
+    engine = make_engine(tiny_llama_dir, max_running_requests=3)
+    finals: dict[str, str] = {}
+    done = threading.Event()
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)  # ~1 request fits the pool
+
+    def on_output(output: RequestOutput) -> None:
+        if output.finish_reason is not None:
+            finals[output.request_id] = output.finish_reason
+            if len(finals) == 6:
+                done.set()
+
+    engine.start()
+    try:
+        adders = [threading.Thread(target=engine.add_request, args=(f"r{i}", PROMPTS[i % 4], long, on_output))
+                  for i in range(6)]
+        for thread in adders:
+            thread.start()
+        for thread in adders:
+            thread.join()
+        engine.abort("r1")
+        engine.abort("r4")
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert finals == {f"r{i}": "abort" if i in (1, 4) else "length" for i in range(6)}
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_upcast_linear_is_exact_for_gemv_rows_and_close_beyond():
+    from torch.nn import functional as F
+
+    from model_worker.model import UpcastLinear, cpu_supports_bf16, linear_class
+
+    torch.manual_seed(0)
+    linear = UpcastLinear(64, 32, dtype=torch.bfloat16)
+    for rows, tolerance in ((1, 0.0), (2, 0.0), (9, 2e-2)):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), atol=tolerance, rtol=tolerance)
+    assert linear_class(torch.float32, torch.device("cpu")) is torch.nn.Linear
+    expected = torch.nn.Linear if cpu_supports_bf16() else UpcastLinear
+    assert linear_class(torch.bfloat16, torch.device("cpu")) is expected
