@@ -19,7 +19,8 @@ log = logging.getLogger("model_worker")
 def engine_config(config: WorkerConfig) -> EngineConfig:
     return EngineConfig(page_size=config.page_size, max_running_requests=config.max_running_requests,
                         chunked_prefill_size=config.chunked_prefill_size, dtype=config.dtype,
-                        kv_cache_gb=config.l1_cache_size_gb)
+                        kv_cache_gb=config.l1_cache_size_gb, kvcached=config.kvcached,
+                        kvcached_timeout_s=config.kvcached_timeout_ms / 1e3)
 
 
 async def run(config: WorkerConfig) -> None:

@@ -21,6 +21,8 @@ class WorkerConfig:
     max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
     chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
     l1_cache_size_gb: float = setting(1.0, "L1 KV pool size in GiB (about 45k tokens of SmolLM2-135M in bfloat16)")
+    kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT for the shared L2 tier; empty = L1 reuse only")
+    kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
 
     def __post_init__(self) -> None:

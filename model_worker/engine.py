@@ -13,6 +13,7 @@ Threading contract:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -29,11 +30,14 @@ import torch
 from model_worker.attention import Chunk, select_backend
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import LAYOUT, KVPool, pages_for_budget
+from model_worker.kvcache_client import KVCacheClient
 from model_worker.loader import weights_digest
 from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
+from model_worker.prefix_cache import CacheRequest, CacheState, PrefixCache
 from model_worker.sampler import SamplingRow, make_generator, sample
 from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
 from radixserve.config import setting
+from radixserve.v1 import kvcached_pb2
 
 log = logging.getLogger("model_worker.engine")
 
@@ -76,6 +80,8 @@ class EngineConfig:
     chunked_prefill_size: int = setting(512, "prompt tokens per step, so long prompts don't stall decodes")
     num_pages: int = setting(0, "KV pool pages; 0 = as many as --kv-cache-gb holds")
     kv_cache_gb: float = setting(1.0, "L1 KV pool size in GiB when --num-pages is 0 (1 GiB: ~23k float32 tokens)")
+    kvcached: str = setting("", "kvcached HOST:PORT for the shared L2 tier; empty = L1 reuse only")
+    kvcached_timeout_s: float = setting(0.5, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
     dtype: DType = setting(DType.AUTO, "auto = bfloat16 on CUDA or AVX512-BF16/AMX CPUs, else float32")
 
     def __post_init__(self) -> None:
@@ -104,6 +110,7 @@ class Load:
     waiting: int
     pages_used: int
     pages_total: int
+    pages_cached: int
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,8 @@ class RequestOutput:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     queue_ms: float | None = None
     prefill_ms: float | None = None
-    cached_tokens: int | None = None
+    cached_tokens_l1: int | None = None  # prompt tokens reused from the worker's own pool
+    cached_tokens_l2: int | None = None  # prompt tokens copied from kvcached's shared memory
 
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
@@ -160,14 +168,25 @@ class Engine:
         self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
                                              self.device))
         self.backend = backend
-        self.scheduler = Scheduler(self.pool, config.max_running_requests, config.chunked_prefill_size)
         self.info = self._make_info(model_dir, hf_config)
         self._eos = frozenset(self.info.eos_token_ids)
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self.kvcache = self._kvcache_client(config) if config.kvcached else None
+        self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock)
+        self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)
         self._thread: threading.Thread | None = None
         self._stopping = False
         log.info("engine ready: %s dtype=%s pages=%d x %d tokens", self.info.name, self.info.dtype, num_pages,
                  config.page_size)
+
+    def _kvcache_client(self, config: EngineConfig) -> KVCacheClient:
+        shape = self.model.shape
+        geometry = kvcached_pb2.BlockGeometry(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                                              head_dim=shape.head_dim, page_size=config.page_size,
+                                              dtype=self.info.dtype, layout=LAYOUT)
+        return KVCacheClient(config.kvcached, self.info.fingerprint, geometry, self.pool.kv,
+                             config.kvcached_timeout_s)
 
     def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
         shape = self.model.shape
@@ -186,9 +205,13 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    on_output: Callable[[RequestOutput], None]) -> None:
-        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id)."""
-        seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output)
+                    on_output: Callable[[RequestOutput], None], cache: CacheRequest = CacheRequest()) -> None:
+        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id).
+
+        `cache` says whether its prefix may be reused and cached, and carries its kvcached lease, which the
+        engine releases in every case (used, unusable, or the request aborted before it ran).
+        """
+        seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, CacheState(cache))
         with self._cond:
             if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
                 raise ValueError(f"request id {request_id!r} is already running")
@@ -196,7 +219,7 @@ class Engine:
             self._cond.notify()
 
     def _new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                      on_output: Callable[[RequestOutput], None]) -> Sequence:
+                      on_output: Callable[[RequestOutput], None], cache: CacheState) -> Sequence:
         max_context = self.info.max_context
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -210,6 +233,7 @@ class Engine:
             on_output=on_output,
             generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
+            cache=cache,
         )
         if pages_needed(seq, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} needs "
@@ -228,7 +252,15 @@ class Engine:
     def load(self) -> Load:
         with self._cond:
             return Load(len(self.scheduler.running), len(self.scheduler.waiting),
-                        self.pool.num_pages - self.pool.num_free, self.pool.num_pages)
+                        self.pool.num_pages - self.pool.num_free, self.pool.num_pages, self.prefix.cached_pages)
+
+    def check_integrity(self) -> None:
+        """Pool and L1 index invariants; when no request is in flight, every held page is a cached one."""
+        with self._cond:
+            self.prefix.check_integrity()
+            held = self.pool.num_pages - self.pool.num_free
+            if not self.scheduler.has_work() and held != self.prefix.cached_pages:
+                raise AssertionError(f"idle, yet {held} pages are held and {self.prefix.cached_pages} cached")
 
     # -- stepping ----------------------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -269,8 +301,11 @@ class Engine:
                             c.seq.generator) for c in sampling_chunks]
         tokens = sample(logits, rows) if rows else []
         for chunk in chunks:
-            if not chunk.seq.finished:
-                chunk.seq.num_computed += chunk.length
+            seq = chunk.seq
+            if not seq.finished:
+                seq.num_computed += chunk.length
+                if chunk.start < seq.prompt_len <= seq.num_computed:  # prefill done: cache the prompt's pages
+                    self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
         for chunk, token in zip(sampling_chunks, tokens):
             if not chunk.seq.finished:
                 self._append_token(chunk.seq, token)
@@ -295,13 +330,13 @@ class Engine:
 
     def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None) -> None:
         timed = finish is not None or seq.num_output == 1
-        queue_ms = prefill_ms = cached = None
+        output = RequestOutput(seq.request_id, tuple(tokens), text, finish)
         if timed:
             started = seq.scheduled_at or time.perf_counter()
-            queue_ms = (started - seq.arrival) * 1e3
-            prefill_ms = ((seq.first_token_at or started) - started) * 1e3
-            cached = 0
-        output = RequestOutput(seq.request_id, tuple(tokens), text, finish, queue_ms, prefill_ms, cached)
+            output = dataclasses.replace(
+                output, queue_ms=(started - seq.arrival) * 1e3,
+                prefill_ms=((seq.first_token_at or started) - started) * 1e3,
+                cached_tokens_l1=seq.cache.cached_l1_tokens, cached_tokens_l2=seq.cache.cached_l2_tokens)
         try:
             seq.on_output(output)
         except Exception:  # a broken callback must not take the other requests down with it
@@ -317,13 +352,15 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the loop after the current step; queued requests stay queued."""
+        """Stops the loop after the current step; queued requests stay queued, queued commits are sent."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.kvcache is not None:
+            self.kvcache.close()
 
     def _loop(self) -> None:
         while True:

@@ -7,8 +7,10 @@ Per step (`schedule`):
      the page reservation allow; admission stops at the first that does not fit (no overtaking).
 
 Page reservation: a running sequence may need `pages_for(max_tokens - 1)` pages by its end (the last sampled token
-is never fed back). Admission requires the free pages to cover the not-yet-allocated part of every running
-sequence's need plus the newcomer's, so a step can always allocate its pages: no preemption, no OOM mid-decode.
+is never fed back). Admission requires the free pages plus the evictable pages of the L1 prefix cache to cover the
+not-yet-allocated part of every running sequence's need plus the newcomer's (counting its reused prefix pages as
+new: a little conservative), so a step can always allocate its pages, evicting cached pages first when the free
+list is short: no preemption, no OOM mid-decode.
 A request whose pages are not free waits in the queue. Pages are allocated lazily, a page at a time.
 
 The scheduler is not thread-safe; the engine calls it under its lock.
@@ -25,6 +27,7 @@ import torch
 
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import KVPool, pages_for_tokens
+from model_worker.prefix_cache import CacheState, PrefixCache
 
 
 @dataclass(eq=False)
@@ -40,6 +43,7 @@ class Sequence:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     stop_filter: StopStringFilter
+    cache: CacheState
     arrival: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -71,8 +75,9 @@ def chunk_of(seq: Sequence, length: int) -> ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_running: int, chunked_prefill_size: int) -> None:
+    def __init__(self, pool: KVPool, prefix: PrefixCache, max_running: int, chunked_prefill_size: int) -> None:
         self.pool = pool
+        self.prefix = prefix
         self.max_running = max_running
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Sequence] = deque()
@@ -90,14 +95,19 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.pool.release(request_id)
+                    self._release(seq)
                     return seq
         return None
 
     def finish(self, seq: Sequence) -> None:
-        """Marks `seq` finished, drops it from the running set and frees its pages at once."""
+        """Marks `seq` finished, drops it from the running set and frees its pages at once (cached pages stay)."""
         seq.finished = True
         self.running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
+        self.prefix.detach(seq.cache)
         self.pool.release(seq.request_id)
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -112,18 +122,23 @@ class Scheduler:
         while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             self.running.append(seq)
-            prefills.append(chunk_of(seq, min(budget, seq.prompt_len)))
+            seq.num_computed = self.prefix.attach(seq.request_id, seq.token_ids[:seq.prompt_len], seq.cache)
+            prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))
             budget -= prefills[-1].length
         chunks = prefills + decodes
         for chunk in chunks:
-            self.pool.ensure_capacity(chunk.seq.request_id, chunk.start + chunk.length)
+            end = chunk.start + chunk.length
+            self.prefix.make_room(pages_for_tokens(end, self.pool.page_size) - len(self.pool.block_table(
+                chunk.seq.request_id)))
+            self.pool.ensure_capacity(chunk.seq.request_id, end)
         return chunks
 
     def _can_admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_running:
             return False
         outstanding = sum(self._unallocated(s) for s in self.running)
-        return self.pool.num_free - outstanding >= pages_needed(seq, self.pool.page_size)
+        available = self.pool.num_free + self.prefix.evictable_pages
+        return available - outstanding >= pages_needed(seq, self.pool.page_size)
 
     def _unallocated(self, seq: Sequence) -> int:
         return pages_needed(seq, self.pool.page_size) - len(self.pool.block_table(seq.request_id))

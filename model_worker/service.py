@@ -8,6 +8,7 @@ import logging
 import grpc
 
 from model_worker.engine import Engine, RequestOutput, SamplingParams
+from model_worker.prefix_cache import CacheRequest, L2Lease
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -19,10 +20,17 @@ def sampling_from_pb(s: worker_pb2.ResolvedSampling) -> SamplingParams:
                           stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos)
 
 
+def cache_from_pb(request: worker_pb2.WorkerGenerateRequest) -> CacheRequest:
+    lease = request.l2_lease if request.HasField("l2_lease") else None
+    return CacheRequest(salt=request.cache_salt, enabled=not request.disable_cache,
+                        l2_lease=lease and L2Lease(lease.lease_id, lease.segment_name, tuple(lease.slots)))
+
+
 def output_to_pb(out: RequestOutput) -> worker_pb2.WorkerGenerateResponse:
     return worker_pb2.WorkerGenerateResponse(
         text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason or "",
-        cached_tokens_l1=out.cached_tokens, queue_ms=out.queue_ms or 0.0, prefill_ms=out.prefill_ms or 0.0)
+        cached_tokens_l1=out.cached_tokens_l1 or 0, cached_tokens_l2=out.cached_tokens_l2 or 0,
+        queue_ms=out.queue_ms or 0.0, prefill_ms=out.prefill_ms or 0.0)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -39,7 +47,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             self._engine.add_request(request.request_id, list(request.prompt_ids),
                                      sampling_from_pb(request.sampling),
-                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                                     cache_from_pb(request))
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         finished = False
@@ -61,4 +70,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        page_size=info.page_size),
             model_path=self._model_path, max_running_requests=self._max_running,
             running_requests=load.running, waiting_requests=load.waiting, kv_pages_used=load.pages_used,
-            kv_pages_total=load.pages_total)
+            kv_pages_total=load.pages_total, kv_pages_cached=load.pages_cached)

@@ -64,7 +64,8 @@ class Stack:
 
 
 EXAMPLE = """
-radixserve is up: router on 127.0.0.1:{router}, worker on 127.0.0.1:{worker}. Try:
+radixserve is up: router on 127.0.0.1:{router}, kvcached on 127.0.0.1:{kvcached}, worker on 127.0.0.1:{worker}.
+Try:
 
   .venv/bin/grpcurl -plaintext -d '{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}],
       "sampling": {{"temperature": 0, "max_new_tokens": 32}}, "stream": true}}' \\
@@ -75,13 +76,15 @@ Ctrl-C stops everything.
 
 
 def main() -> None:
-    """`make run`: worker then router on their default ports, until Ctrl-C."""
+    """`make run`: kvcached, a worker and the router on their default ports, until Ctrl-C."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Stack() as stack:
-        # Children ignore the terminal's SIGINT; the Stack stops them in order with SIGTERM instead.
-        stack.start("model_worker", 50053, [], process_group=0)
-        stack.start("router", 50051, ["--worker", "127.0.0.1:50053"], process_group=0)
-        print(EXAMPLE.format(router=50051, worker=50053), flush=True)
+        # Children ignore the terminal's SIGINT; the Stack stops them in reverse order with SIGTERM instead.
+        stack.start("kvcached", 50052, [], process_group=0)
+        stack.start("model_worker", 50053, ["--kvcached", "127.0.0.1:50052"], process_group=0)
+        stack.start("router", 50051, ["--worker", "127.0.0.1:50053", "--kvcached", "127.0.0.1:50052"],
+                    process_group=0)
+        print(EXAMPLE.format(router=50051, kvcached=50052, worker=50053), flush=True)
         try:
             while all(p.poll() is None for p in stack.processes):
                 time.sleep(0.5)

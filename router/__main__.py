@@ -9,6 +9,7 @@ from radixserve.config import parse_config
 from radixserve.server import ServiceSpec, serve, setup_logging
 from radixserve.v1 import router_pb2_grpc
 from router.config import RouterConfig
+from router.prefix import PrefixMatcher
 from router.routing import WorkerPool, connect_worker
 from router.service import RouterServicer
 from router.tokenizer import PromptTokenizer
@@ -27,7 +28,12 @@ async def run(config: RouterConfig) -> None:
                     max_stop_strings=config.max_stop_strings)
     log.info("workers ready", extra={"workers": list(config.worker), "model": model.name,
                                      "fingerprint": model.fingerprint})
-    servicer = RouterServicer(pool, tokenizer, limits)
+    matcher = None
+    if config.kvcached and not config.disable_radix_cache:
+        matcher = PrefixMatcher(config.kvcached, model.fingerprint, config.kvcached_timeout_ms / 1e3,
+                                config.lease_ttl_ms)
+    log.info(f"Radix cache enabled, kvcached at {config.kvcached}" if matcher else "Radix cache disabled")
+    servicer = RouterServicer(pool, tokenizer, limits, matcher)
     await serve("router", config.host, config.port, config.metrics_port,
                 [ServiceSpec(servicer, router_pb2_grpc.add_RouterServicer_to_server, "radixserve.v1.Router")],
                 grace_s=config.drain_grace_s)

@@ -16,6 +16,10 @@ class RouterConfig:
     metrics_port: int = setting(9101, "Prometheus metrics HTTP port; 0 turns it off")
     log_level: str = setting("info", "debug, info, warning or error")
     worker: tuple[str, ...] = setting(("127.0.0.1:50053",), "model worker HOST:PORT")
+    kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT; empty = no shared prefix cache")
+    kvcached_timeout_ms: int = setting(100, "deadline of a prefix match; past it the request is recomputed")
+    lease_ttl_ms: int = setting(30_000, "how long kvcached pins a matched prefix if the worker never releases it")
+    disable_radix_cache: bool = setting(False, "never reuse or cache prefixes, in kvcached or worker L1 (A/B runs)")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
     max_stop_strings: int = setting(16, "most stop strings per request; each is checked on every decoded token")
@@ -25,5 +29,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.worker:
             raise ValueError("at least one --worker is needed")
+        if self.kvcached_timeout_ms < 1 or self.lease_ttl_ms < 1:
+            raise ValueError("--kvcached-timeout-ms and --lease-ttl-ms must be positive")
         if self.max_new_tokens_limit < 1 or self.max_input_chars < 1:
             raise ValueError("--max-new-tokens-limit and --max-input-chars must be positive")

@@ -13,3 +13,4 @@ generation_tokens = Counter("radixserve_generation_tokens_total", "Generated tok
 cached_tokens = Counter("radixserve_cached_tokens_total", "Prompt tokens served from a cache tier", ["tier"])
 waiting_queue_size = Gauge("radixserve_waiting_queue_size", "Requests admitted and not yet finished")
 requests = Counter("radixserve_requests_total", "Finished requests by outcome", ["outcome"])
+kvcached_errors = Counter("radixserve_kvcached_errors_total", "kvcached calls that failed or timed out", ["op"])

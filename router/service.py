@@ -12,6 +12,7 @@ import grpc
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics
+from router.prefix import PrefixMatcher
 from router.routing import WorkerPool
 from router.tokenizer import PromptTokenizer
 from router.validation import Limits, prompt_ids, resolve_sampling
@@ -24,8 +25,10 @@ _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EX
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits):
+    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits, matcher: PrefixMatcher | None):
+        """`matcher` None: radix cache disabled; workers neither reuse nor cache pages."""
         self._pool = pool
+        self._matcher = matcher
         self._tokenizer = tokenizer
         self._limits = limits
 
@@ -35,8 +38,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
         request_id = request.request_id or uuid.uuid4().hex
         metrics.prompt_tokens.inc(len(ids))
+        lease = await self._matcher.lease(ids, request.cache_salt) if self._matcher else None
         forward = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_ids=ids, sampling=sampling,
-                                                   cache_salt=request.cache_salt)
+                                                   cache_salt=request.cache_salt, disable_cache=self._matcher is None,
+                                                   l2_lease=lease)
         run = _Run(request_id, len(ids), started)
         with self._pool.pick() as worker:
             call = worker.stub.Generate(forward, timeout=context.time_remaining())

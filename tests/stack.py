@@ -1,19 +1,20 @@
-"""Starting the real processes for end-to-end tests: free loopback ports, one worker per test module by default."""
+"""Starting the real processes for end-to-end tests on free loopback ports, each logging to a file."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from radixserve.launch import Stack
-from radixserve.v1 import router_pb2_grpc, worker_pb2_grpc
+from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-GRPCURL = str(Path(__import__("sys").executable).parent / "grpcurl")
+GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 
 def free_port() -> int:
@@ -23,29 +24,68 @@ def free_port() -> int:
 
 
 @dataclass
+class Processes:
+    """A `Stack` plus the log directory; each `start_*` returns the new service's address."""
+
+    log_dir: Path
+    stack: Stack = field(default_factory=Stack)
+
+    def start(self, module: str, name: str, args: list[str]) -> str:
+        port = free_port()
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            self.stack.start(module, port, ["--metrics-port", "0", *args], stdout=log, stderr=subprocess.STDOUT,
+                             cwd=REPO)
+        return f"127.0.0.1:{port}"
+
+    def kvcached(self, name: str = "kvcached", args: list[str] = ()) -> str:
+        return self.start("kvcached", name, ["--host-cache-size-gb", "0.5", *args])
+
+    def worker(self, kvcached: str, name: str = "worker", args: list[str] = ()) -> str:
+        return self.start("model_worker", name, ["--kvcached", kvcached, "--l1-cache-size-gb", "0.25", *args])
+
+    def router(self, workers: list[str], kvcached: str, name: str = "router", args: list[str] = ()) -> str:
+        worker_flags = [flag for w in workers for flag in ("--worker", w)]
+        return self.start("router", name, [*worker_flags, "--kvcached", kvcached, *args])
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+def router_stub(address: str) -> router_pb2_grpc.RouterStub:
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(address))
+
+
+def worker_stub(address: str) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+
+
+def kvcached_stats(address: str) -> kvcached_pb2.KVCacheStats:
+    return kvcached_pb2_grpc.KVCacheStub(grpc.insecure_channel(address)).GetStats(kvcached_pb2.GetStatsRequest(),
+                                                                                  timeout=5)
+
+
+@dataclass
 class RunningStack:
-    stack: Stack
-    router_address: str
+    """kvcached, one worker and a router."""
+
+    processes: Processes
+    kvcached_address: str
     worker_address: str
+    router_address: str
 
     def router(self) -> router_pb2_grpc.RouterStub:
-        return router_pb2_grpc.RouterStub(grpc.insecure_channel(self.router_address))
+        return router_stub(self.router_address)
 
     def worker(self) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(self.worker_address))
+        return worker_stub(self.worker_address)
 
 
-def start_stack(log_dir: Path, worker_args: list[str] = (), router_args: list[str] = ()) -> RunningStack:
-    """A worker and a router on free ports, logging to files in `log_dir`; stop with `.stack.stop()`."""
-    stack = Stack()
-    worker_port, router_port = free_port(), free_port()
+def start_stack(log_dir: Path) -> RunningStack:
+    processes = Processes(log_dir)
     try:
-        for module, port, args in (("model_worker", worker_port, ["--metrics-port", "0", *worker_args]),
-                                   ("router", router_port, ["--metrics-port", "0", "--worker",
-                                                            f"127.0.0.1:{worker_port}", *router_args])):
-            with open(log_dir / f"{module}.log", "ab") as log:
-                stack.start(module, port, args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        kvcached = processes.kvcached()
+        worker = processes.worker(kvcached)
+        return RunningStack(processes, kvcached, worker, processes.router([worker], kvcached))
     except BaseException:
-        stack.stop()
+        processes.stop()
         raise
-    return RunningStack(stack, f"127.0.0.1:{router_port}", f"127.0.0.1:{worker_port}")
