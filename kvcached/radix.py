@@ -59,6 +59,12 @@ class InsertResult(NamedTuple):
     unused_slots: tuple[int, ...]  # offered slots the index did not take: the caller frees them (and only them)
 
 
+class EvictedBlock(NamedTuple):
+    block_hash: BlockHash
+    parent_hash: BlockHash | None  # None for the first page of a prompt
+    slot: int
+
+
 class _Node:
     __slots__ = ("parent", "hashes", "slots", "children", "lock_ref", "last_access", "in_heap")
 
@@ -158,7 +164,11 @@ class RadixIndex:
         Takes the least recently used unlocked leaf, page by page from its far end; a leaf emptied this way is
         removed, which may make its parent the next candidate. Returns fewer slots when nothing else is evictable.
         """
-        freed: list[int] = []
+        return [block.slot for block in self.evict_blocks(n_pages)]
+
+    def evict_blocks(self, n_pages: int) -> list[EvictedBlock]:
+        """`evict`, also naming each page and its parent page (what a write-back to disk needs)."""
+        freed: list[EvictedBlock] = []
         while len(freed) < n_pages and self._heap:
             tick, _, node = heapq.heappop(self._heap)
             node.in_heap = False
@@ -249,13 +259,14 @@ class RadixIndex:
         self._total_pages += len(slots)
         return leaf
 
-    def _trim(self, leaf: _Node, n_pages: int) -> list[int]:
-        """Removes up to `n_pages` from the far end of an evictable `leaf` (popped from the heap); returns their
-        slots, far end first. An emptied leaf is detached, and its parent may become an evictable leaf."""
+    def _trim(self, leaf: _Node, n_pages: int) -> list[EvictedBlock]:
+        """Removes up to `n_pages` from the far end of an evictable `leaf` (popped from the heap); returns them,
+        far end first. An emptied leaf is detached, and its parent may become an evictable leaf."""
         key, cut = leaf.hashes[0], max(len(leaf.hashes) - n_pages, 0)
-        freed = leaf.slots[cut:][::-1]
+        parents = [leaf.parent.hashes[-1] if leaf.parent.hashes else None] + leaf.hashes[:-1]
+        freed = [EvictedBlock(h, p, s) for h, p, s in zip(leaf.hashes[cut:], parents[cut:], leaf.slots[cut:])][::-1]
         del leaf.hashes[cut:], leaf.slots[cut:]
-        self._slots.difference_update(freed)
+        self._slots.difference_update(b.slot for b in freed)
         self._total_pages -= len(freed)
         if leaf.hashes:
             self._push(leaf)

@@ -1,0 +1,244 @@
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvcached.keys import BlockHash
+from kvcached.tiers.lmdb_tier import (
+    ROOT_PARENT,
+    BlockMeta,
+    DiskTier,
+    DiskTierError,
+    EventKind,
+    TierEvent,
+    stored_bytes,
+)
+
+NS, OTHER = "fp-a", "fp-b"
+N = 100  # payload bytes of one test block
+SIZE = stored_bytes(NS, N)
+
+
+def key(i: int) -> BlockHash:
+    return BlockHash((i + 1).to_bytes(16, "big"))  # never ROOT_PARENT
+
+
+def parent(i: int) -> BlockHash:
+    return ROOT_PARENT if i == 0 else key(i - 1)
+
+
+def payload(i: int, n: int = N) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(n))
+
+
+def put(tier: DiskTier, *ids: int, ns: str = NS, n: int = N) -> None:
+    for i in ids:
+        assert tier.put_async(ns, key(i), parent(i), payload(i, n))
+    assert tier.flush(timeout=10)
+
+
+def stored(tier: DiskTier) -> set[int]:
+    return {int.from_bytes(m.hash, "big") - 1 for m in tier.scan()}
+
+
+@pytest.fixture
+def tier(tmp_path):
+    tier = DiskTier(tmp_path / "l3", budget_bytes=1 << 20)
+    yield tier
+    assert tier.flush(timeout=10)
+    tier.check_integrity()
+    tier.close()
+
+
+def test_round_trip_counts_and_events(tier):
+    put(tier, 0, 1, 2)
+    assert [tier.get(key(i)) for i in range(3)] == [payload(i) for i in range(3)]
+    assert tier.get(key(9)) is None
+    s = tier.stats()
+    assert (s.blocks, s.bytes_used, s.writes, s.reads, s.misses, s.bytes_read) == (3, 3 * SIZE, 3, 3, 1, 3 * N)
+    assert s.healthy and s.corrupt_blocks == s.dropped_writes == s.evictions == 0
+    assert tier.take_events() == [TierEvent(EventKind.STORED, key(i)) for i in range(3)]
+    assert tier.take_events() == []
+
+
+def test_a_stored_block_is_not_rewritten(tier):
+    put(tier, 0)
+    put(tier, 0)
+    assert tier.stats().writes == 1 and tier.contains(key(0))
+
+
+def test_read_into_writes_exact_bytes_and_nothing_else(tier):
+    put(tier, 0)
+    buf = bytearray(b"\xee" * (N + 8))
+    assert tier.read_into(key(0), memoryview(buf))
+    assert bytes(buf[:N]) == payload(0) and buf[N:] == b"\xee" * 8
+    untouched = bytearray(N)
+    assert not tier.read_into(key(5), memoryview(untouched)) and untouched == bytearray(N)
+    with pytest.raises(ValueError, match="cannot hold"):
+        tier.read_into(key(0), memoryview(bytearray(N - 1)))
+
+
+def test_reopen_finds_chains_per_namespace(tmp_path):
+    with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        put(tier, 0, 1, 2)
+        put(tier, 3, ns=OTHER)
+    with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        assert sorted(tier.scan()) == sorted([BlockMeta(key(i), parent(i), NS, N) for i in range(3)]
+                                             + [BlockMeta(key(3), parent(3), OTHER, N)])
+        assert tier.get(key(2)) == payload(2)
+        assert tier.stats().bytes_used == 3 * SIZE + stored_bytes(OTHER, N)
+        tier.check_integrity()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupt_block_is_a_counted_deleted_miss(tmp_path, where):
+    with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        put(tier, 0, 1, 2, n=4096)
+    data = bytearray((tmp_path / "data.mdb").read_bytes())
+    at = data.find(payload(1, 4096)) + (2000 if where == "payload" else -SIZE + N)  # mid-payload, or the magic
+    data[at] ^= 0xFF
+    (tmp_path / "data.mdb").write_bytes(data)
+    with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        assert tier.get(key(1)) is None
+        assert tier.get(key(1)) is None  # counted once
+        assert [tier.get(key(i)) for i in (0, 2)] == [payload(0, 4096), payload(2, 4096)]
+        assert tier.stats().corrupt_blocks == 1
+        assert tier.flush(timeout=10)
+        assert stored(tier) == {0, 2} and not tier.contains(key(1))
+        tier.check_integrity()
+        put(tier, 1, n=4096)  # recomputed and stored again
+        assert tier.get(key(1)) == payload(1, 4096)
+
+
+def test_lru_evicts_exactly_the_least_recently_used(tmp_path):
+    with DiskTier(tmp_path, budget_bytes=4 * SIZE) as tier:
+        put(tier, 0, 1, 2, 3)
+        assert tier.get(key(0)) == payload(0)  # order now 1, 2, 3, 0
+        tier.take_events()
+        put(tier, 4)
+        assert tier.take_events() == [TierEvent(EventKind.REMOVED, key(1)), TierEvent(EventKind.STORED, key(4))]
+        assert tier.read_into(key(2), memoryview(bytearray(N)))  # order now 3, 0, 4, 2
+        put(tier, 5, 6)
+        assert stored(tier) == {2, 4, 5, 6} and tier.get(key(1)) is None
+        s = tier.stats()
+        assert (s.evictions, s.bytes_used, s.blocks) == (3, 4 * SIZE, 4)
+        tier.check_integrity()
+
+
+def test_a_block_larger_than_the_budget_is_dropped(tmp_path):
+    with DiskTier(tmp_path, budget_bytes=SIZE) as tier:
+        put(tier, 0, n=N + 1)
+        assert tier.stats().dropped_writes == 1 and stored(tier) == set()
+
+
+def test_a_full_map_never_raises(tmp_path):
+    n = 64 << 10
+    with DiskTier(tmp_path, budget_bytes=100 << 20, map_size=1 << 20, max_batch_blocks=4) as tier:
+        for i in range(40):
+            tier.put_async(NS, key(i), parent(i), payload(i, n))
+        assert tier.flush(timeout=30)
+        s = tier.stats()
+        assert s.healthy and s.evictions > 0 and s.writes + s.dropped_writes == 40
+        assert all(tier.get(key(i)) == payload(i, n) for i in stored(tier))
+        tier.check_integrity()
+
+
+def test_delete_namespace(tier):
+    put(tier, 0, 1, 2)
+    put(tier, 3, 4, ns=OTHER)
+    tier.take_events()
+    assert tier.delete_namespace(NS) == 3
+    assert stored(tier) == {3, 4} and tier.get(key(0)) is None
+    assert {e for e in tier.take_events()} == {TierEvent(EventKind.REMOVED, key(i)) for i in range(3)}
+    assert tier.delete_namespace("unknown") == 0
+    assert tier.stats().bytes_used == 2 * stored_bytes(OTHER, N)
+
+
+def test_unwritable_path_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(DiskTierError, match=f"{tmp_path}/file/l3"):
+        DiskTier(tmp_path / "file" / "l3", budget_bytes=1 << 20)
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path / "ok", budget_bytes=0)
+
+
+def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=2 * N)
+    entered, release, write = threading.Event(), threading.Event(), tier._write
+
+    def gated(puts):
+        entered.set()
+        release.wait(10)
+        write(puts)
+
+    monkeypatch.setattr(tier, "_write", gated)
+    assert tier.put_async(NS, key(0), parent(0), payload(0))
+    assert entered.wait(10)  # the writer holds block 0 and stalls; the queue is empty again
+    assert [tier.put_async(NS, key(i), parent(i), payload(i)) for i in (1, 2, 3)] == [True, True, False]
+    release.set()
+    assert tier.flush(timeout=10) and stored(tier) == {0, 1, 2}
+    assert tier.stats().dropped_writes == 1
+    tier.close()
+    assert not tier.put_async(NS, key(4), parent(4), payload(4)) and tier.stats().dropped_writes == 2
+    assert tier.get(key(0)) is None
+
+
+class _BrokenEnv:
+    def begin(self, **kw):
+        raise lmdb.DiskError("injected")
+
+    def sync(self, force):
+        raise lmdb.DiskError("injected")
+
+
+def test_io_errors_mark_unhealthy_and_never_raise(tier, monkeypatch):
+    put(tier, 0)
+    monkeypatch.setattr(tier, "_env", _BrokenEnv())
+    assert tier.get(key(0)) is None and not tier.healthy
+    assert tier.put_async(NS, key(1), parent(1), payload(1)) and tier.flush(timeout=10)
+    s = tier.stats()
+    assert not s.healthy and s.io_errors >= 2 and s.dropped_writes == 1
+    monkeypatch.undo()
+
+
+def test_read_delay(tmp_path):
+    with DiskTier(tmp_path, budget_bytes=1 << 20, read_delay_s=0.05) as tier:
+        put(tier, 0)
+        start = time.monotonic()
+        assert tier.get(key(0)) == payload(0)
+        assert time.monotonic() - start >= 0.05
+
+
+WRITER = """
+import sys
+from kvcached.tiers.lmdb_tier import DiskTier
+from tests.test_lmdb_tier import NS, key, parent, payload
+tier = DiskTier(sys.argv[1], budget_bytes=1 << 30, max_batch_blocks=8)
+for i in range(200_000):
+    tier.put_async(NS, key(i), parent(i), payload(i, 8192))
+    if i == 20:
+        tier.flush()
+        print("ready", flush=True)
+"""
+
+
+def test_kill_9_mid_stream_leaves_a_clean_env(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parent.parent)
+    assert child.stdout.readline() == "ready\n"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    with DiskTier(tmp_path, budget_bytes=1 << 30) as tier:
+        metas = list(tier.scan())
+        ids = {int.from_bytes(m.hash, "big") - 1 for m in metas}
+        assert set(range(21)) <= ids
+        assert all(m.parent_hash == parent(i) for m, i in zip(metas, sorted(ids)))
+        assert all(tier.get(key(i)) == payload(i, 8192) for i in ids)
+        assert tier.stats().corrupt_blocks == 0
+        tier.check_integrity()
