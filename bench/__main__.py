@@ -1,5 +1,8 @@
-"""`python -m bench quick` (`make bench`): every benchmark, baselines in the same run; tables to stdout and
-`bench/results/`."""
+"""`python -m bench quick` (`make bench`): every benchmark, baselines in the same run; one table per module to stdout
+and `bench/results/<stamp>.md`, every row in `bench/results/<stamp>.json`.
+
+Each module's `run` returns rows with `name`, `ours`, `baseline` (None where there is none), `unit`, `goal`.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +10,59 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from bench import engine
+from bench import cache, engine, radix_match
+from model_worker.engine import DType, resolve_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def ratio(row) -> float | None:
+    return row.ours / row.baseline if row.baseline else None
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def table(title: str, rows: list) -> str:
+    lines = [f"| {title} | ours | baseline | unit | ratio | goal |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {_num(r.ours)} | {_num(r.baseline)} | {r.unit} | "
+              f"{'' if ratio(r) is None else f'{ratio(r):.2f}x'} | {r.goal} |" for r in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("suite", choices=["quick"])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: what the worker's --dtype auto picks on this machine")
     args = parser.parse_args()
-    rows = engine.run(dtype=args.dtype)
-    markdown = engine.table(rows, args.dtype)
-    print(markdown)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = str(resolve_dtype(DType(args.dtype), device)).removeprefix("torch.")
+    suites: dict[str, tuple[str, Callable[[], list]]] = {  # JSON key: (table title, run)
+        "engine": (f"engine ({dtype})", lambda: engine.run(dtype=dtype)),
+        "cache": (f"KV cache ({dtype})", lambda: cache.run(dtype)),
+        "radix_match": ("radix index, in process", radix_match.run),
+    }
+    results, tables = {}, []
+    for key, (title, run) in suites.items():
+        started = time.monotonic()
+        rows = run()
+        tables.append(table(title, rows))
+        print(tables[-1], f"\n({title}: {time.monotonic() - started:.0f} s)\n", flush=True)
+        results[key] = [asdict(r) | {"ratio": ratio(r)} for r in rows]
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__}
     (RESULTS / f"{stamp}.json").write_text(json.dumps(
-        {"machine": machine, "config": vars(args), "engine": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=2))
-    (RESULTS / f"{stamp}.md").write_text(markdown + "\n")
+        {"machine": machine, "config": vars(args) | {"dtype_resolved": dtype}, "results": results}, indent=2))
+    (RESULTS / f"{stamp}.md").write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""`python -m bench.radix_match`: in-process prefix lookup for a 4,096-token prompt (256 pages of 16) against a
-radix index holding 100,000 blocks; hashing is timed separately. Two layouts:
+"""`python -m bench.radix_match` (also run by `python -m bench quick`): in-process prefix lookup for a 4,096-token
+prompt (256 pages of 16) against a radix index holding 100,000 blocks; hashing is timed separately. Two layouts:
 
 - shared: 8 system prompts of 64 pages, each followed by a unique 192-page conversation (few, long edges).
 - branchy: the query path branches at every one of its 256 pages (256 nodes to walk: the worst case for match).
@@ -11,12 +11,29 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvcached.keys import block_hashes, namespace_key
 from kvcached.radix import RadixIndex
 
 PAGE, PROMPT_TOKENS, INDEX_BLOCKS = 16, 4096, 100_000
 NS = namespace_key("bench-model", "")
+MATCH_GOAL_US = 100
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark result; `baseline` None where there is nothing to compare against in the same run."""
+
+    name: str
+    ours: float
+    baseline: float | None
+    unit: str
+    goal: str
+
+    @property
+    def ratio(self) -> float | None:
+        return self.ours / self.baseline if self.baseline else None
 
 
 def timed_us(fn: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -61,24 +78,38 @@ def lock_and_unlock(index: RadixIndex, hashes: list) -> None:
     index.unlock(index.match(hashes, lock=True).lease)
 
 
-def report(name: str, index: RadixIndex, hashes: list, miss: list) -> None:
-    print(f"{name}: {index.total_pages} blocks cached, hit of {index.match(hashes).pages} pages")
-    for what, fn in (("match, full hit", lambda: index.match(hashes)),
-                     ("match, miss", lambda: index.match(miss)),
-                     ("match(lock=True) + unlock", lambda: lock_and_unlock(index, hashes))):
+def measure(name: str, index: RadixIndex, hashes: list, miss: list) -> list[Row]:
+    """Rows for a full hit, a miss and a lock + unlock of `hashes` against `index`."""
+    hit = index.match(hashes).pages
+    if hit != len(hashes):
+        raise AssertionError(f"{name}: the query hits {hit} of its {len(hashes)} pages")
+    rows = []
+    for what, fn, goal in (
+            ("match, full hit", lambda: index.match(hashes), f"<= {MATCH_GOAL_US} us"),
+            ("match, miss", lambda: index.match(miss), ""),
+            ("match(lock=True) + unlock", lambda: lock_and_unlock(index, hashes), "")):
         med, p99 = timed_us(fn, 2000)
-        print(f"  {what}: median {med:.1f} us, p99 {p99:.1f} us")
+        label = f"{name} ({index.total_pages} blocks): {what}, {len(hashes)} pages"
+        rows += [Row(f"{label}, median", med, None, "us", goal), Row(f"{label}, p99", p99, None, "us", "")]
     index.check_integrity()
+    return rows
 
 
-def main() -> None:
+def run() -> list[Row]:
     rng = random.Random(0)
     prompt = tokens(rng, PROMPT_TOKENS)
     med, p99 = timed_us(lambda: block_hashes(NS, prompt, PAGE), 500)
-    print(f"block_hashes, {PROMPT_TOKENS} tokens / {len(prompt) // PAGE} pages: median {med:.0f} us, p99 {p99:.0f} us")
+    rows = [Row(f"block_hashes, {PROMPT_TOKENS} tokens / {PROMPT_TOKENS // PAGE} pages, median", med, None, "us", ""),
+            Row(f"block_hashes, {PROMPT_TOKENS} tokens / {PROMPT_TOKENS // PAGE} pages, p99", p99, None, "us", "")]
     for name, layout in (("shared", shared_layout), ("branchy", branchy_layout)):
         index, hashes = layout(rng)
-        report(name, index, hashes, block_hashes(NS, tokens(rng, PROMPT_TOKENS), PAGE))
+        rows += measure(name, index, hashes, block_hashes(NS, tokens(rng, PROMPT_TOKENS), PAGE))
+    return rows
+
+
+def main() -> None:
+    for row in run():
+        print(f"{row.name}: {row.ours:.1f} {row.unit}")
 
 
 if __name__ == "__main__":
