@@ -9,8 +9,12 @@ import logging
 from kvcached import metrics
 from kvcached.cache import KVCache
 from kvcached.config import KVCachedConfig
+from kvcached.l3 import L3
+from kvcached.metrics import watch_disk
+from kvcached.prefetch import Prefetcher
 from kvcached.service import KVCacheServicer, refresh_gauges
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
+from kvcached.tiers.lmdb_tier import DiskTier, DiskTierError
 from radixserve.config import parse_config
 from radixserve.server import ServiceSpec, serve, setup_logging
 from radixserve.v1 import kvcached_pb2_grpc
@@ -21,30 +25,54 @@ EXPIRY_INTERVAL_S = 1.0  # leases have a TTL of seconds; checking each second ke
 
 
 async def expire_periodically(cache: KVCache) -> None:
-    """Drops leases and allocations past their TTL between RPCs, so that the gauges also fall when no RPC comes."""
+    """Between RPCs: drops leases and allocations past their TTL and refreshes the gauges."""
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL_S)
-        expired = cache.expire()
-        if expired:
-            metrics.expired.inc(expired)
-            refresh_gauges(cache)
+        metrics.expired.inc(cache.expire())
+        refresh_gauges(cache)  # also applies L3 evictions and corrupt-block deletions to the index
+
+
+def open_disk(config: KVCachedConfig) -> DiskTier | None:
+    """The L3 tier, or None when it is off or (with --disk-cache-optional) cannot open."""
+    if config.disk_cache_size_gb == 0:
+        log.info("disk tier off (--disk-cache-size-gb 0)")
+        return None
+    try:
+        disk = DiskTier(config.disk_cache_path, int(config.disk_cache_size_gb * (1 << 30)),
+                        read_delay_s=config.l3_read_delay_ms / 1e3)
+    except DiskTierError as e:
+        if not config.disk_cache_optional:
+            raise SystemExit(f"kvcached: cannot open the disk tier: {e} (--disk-cache-optional runs without it)")
+        log.error("disk tier unavailable; running with L2 only", extra={"error": str(e)})
+        return None
+    watch_disk(disk)
+    return disk
 
 
 async def run(config: KVCachedConfig) -> None:
     removed = cleanup_stale_segments(SEGMENT_PREFIX)
     if removed:
         log.info("removed stale shared-memory segments of dead daemons", extra={"segments": removed})
-    cache = KVCache(int(config.host_cache_size_gb * (1 << 30)), config.page_size, config.lease_ttl_s)
+    disk = open_disk(config)
+    l3 = L3(disk, config.write_policy) if disk is not None else None
+    cache = KVCache(int(config.host_cache_size_gb * (1 << 30)), config.page_size, config.lease_ttl_s, l3=l3)
+    prefetcher = disk and Prefetcher(cache, disk, config.prefetch_threads, config.prefetch_read_timeout_s,
+                                     config.prefetch_threshold_tokens, config.page_size, config.recompute_tokens_per_s)
     expiry = asyncio.create_task(expire_periodically(cache))
     try:
         await serve("kvcached", config.host, config.port, config.metrics_port,
-                    [ServiceSpec(KVCacheServicer(cache, config.page_size),
+                    [ServiceSpec(KVCacheServicer(cache, config.page_size, prefetcher),
                                  kvcached_pb2_grpc.add_KVCacheServicer_to_server, "radixserve.v1.KVCache")],
                     grace_s=config.drain_grace_s)
     finally:
         expiry.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await expiry
+        if prefetcher is not None:
+            prefetcher.close()
+        if disk is not None:  # graceful stop: what was queued for L3 is written, so a restart finds it
+            flushed = disk.close()
+            log.info("disk tier flushed and closed", extra={"complete": flushed})
         cache.close()
 
 

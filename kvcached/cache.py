@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcached.keys import block_hashes, namespace_key
+from kvcached.keys import BlockHash, block_hashes, namespace_key
+from kvcached.l3 import L3
 from kvcached.radix import Lease, RadixIndex
 from kvcached.tiers.dram_shm import SlabPool, new_segment_name
 
@@ -66,9 +67,10 @@ class Geometry:
 
 
 class Match(NamedTuple):
-    pages: int
+    pages: int  # the L2 prefix
     l2_slots: tuple[int, ...]
     lease_id: str | None  # None without a lease or without a match
+    l3_pages: int = 0  # pages after the L2 prefix that L3 holds, consecutively
 
 
 class Allocation(NamedTuple):
@@ -98,20 +100,40 @@ class Namespace:
     geometry: Geometry
     pool: SlabPool
     index: RadixIndex = field(default_factory=RadixIndex)
-    allocated: set[int] = field(default_factory=set)
+    allocated: set[int] = field(default_factory=set)  # slots of allocations and prefetches, and `stuck` ones
+    stuck: set[int] = field(default_factory=set)  # slots of ended prefetches whose disk read is still running
 
-    def free_slots_for(self, count: int) -> int:
-        """Evicts least-recently-used unlocked pages until `count` slots are free (or nothing more can go)."""
-        evicted = self.index.evict(max(0, count - self.pool.num_free))
-        self.pool.free(evicted)
-        return len(evicted)
+
+@dataclass(eq=False)
+class Prefetch:
+    """Loading pages [first, first + len(slots)) of a prompt from L3 into reserved L2 slots, front to back.
+
+    While it runs, its lease pins the prompt's L2 prefix, so each loaded page extends a cached chain. Its slots
+    count as allocated until `KVCache.prefetched` inserts them or `KVCache.end_prefetch` frees them.
+    """
+
+    prefetch_id: str
+    namespace: Namespace
+    hashes: list[BlockHash]
+    first: int
+    slots: list[int]
+    lease: Lease
+    ready: int = 0  # pages loaded and inserted so far
+    done: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.slots)
 
 
 class KVCache:
     """See the module docstring. `clock` is injectable so that tests can expire leases without sleeping."""
 
     def __init__(self, host_cache_bytes: int, page_size: int, lease_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, l3: L3 | None = None):
+        """`l3` None: no disk tier."""
+        self.l3 = l3
+        self._prefetches: dict[str, Prefetch] = {}
         self._pool_bytes = host_cache_bytes
         self._page_size = page_size
         self._ttl = lease_ttl_s
@@ -165,14 +187,18 @@ class KVCache:
               ttl_s: float | None = None) -> Match:
         """The longest cached prefix; with `lease`, its slots stay pinned until `release` or the TTL."""
         namespace = self.namespace(fingerprint)
-        result = namespace.index.match(self._hashes(namespace, cache_salt, token_ids), lock=lease)
-        if result.lease is None:
-            return Match(result.pages, result.l2_slots, None)
-        if result.pages == 0:
+        hashes = self._hashes(namespace, cache_salt, token_ids)
+        result = namespace.index.match(hashes, lock=lease)
+        l3_pages = 0
+        if self.l3 is not None:
+            self.l3.hit(namespace.fingerprint, namespace.pool, hashes, result.l2_slots)
+            l3_pages = self.l3.run_length(hashes, result.pages)
+        lease_id = None
+        if result.lease is not None and result.pages == 0:
             namespace.index.unlock(result.lease)
-            return Match(0, (), None)
-        lease_id = self._hold(_Held(namespace, self._expiry(ttl_s), lease=result.lease))
-        return Match(result.pages, result.l2_slots, lease_id)
+        elif result.lease is not None:
+            lease_id = self._hold(_Held(namespace, self._expiry(ttl_s), lease=result.lease))
+        return Match(result.pages, result.l2_slots, lease_id, l3_pages)
 
     def release(self, lease_id: str) -> None:
         held = self._held.get(lease_id)
@@ -186,7 +212,7 @@ class KVCache:
         namespace = self.namespace(fingerprint)
         if count < 0:
             raise InvalidRequest(f"count must be >= 0, got {count}")
-        evicted = namespace.free_slots_for(count)
+        evicted = self._make_room(namespace, count)
         slots = tuple(namespace.pool.allocate(count))
         namespace.allocated.update(slots)
         return Allocation(self._hold(_Held(namespace, self._expiry(ttl_s), slots=frozenset(slots))), slots, evicted)
@@ -217,10 +243,75 @@ class KVCache:
             result = namespace.index.insert(hashes[:first_page + len(slots)], list(prefix.l2_slots) + list(slots))
             inserted = set(slots) - set(result.unused_slots)
             already_cached = result.cached_pages - first_page
+            if self.l3 is not None:  # the inserted pages are the ones after those already cached
+                self.l3.committed(namespace.fingerprint, namespace.pool, hashes, result.cached_pages,
+                                  slots[already_cached:])
         held.slots -= inserted
         namespace.allocated -= inserted
         self._drop(allocation_id)  # the allocation's other slots return to the pool
         return Commit(len(inserted), already_cached)
+
+    def _make_room(self, namespace: Namespace, count: int) -> int:
+        """Evicts least-recently-used unlocked pages until `count` slots are free (or nothing more can go)."""
+        evicted = namespace.index.evict_blocks(max(0, count - namespace.pool.num_free))
+        if self.l3 is not None:
+            self.l3.evicted(namespace.fingerprint, namespace.pool, evicted)
+        namespace.pool.free([block.slot for block in evicted])
+        return len(evicted)
+
+    # -- prefetch L3 -> L2 -------------------------------------------------------------------------------------
+    def start_prefetch(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], match: Match
+                       ) -> Prefetch | None:
+        """Reserves L2 slots for the L3 run of `match` (of these tokens) and pins its L2 prefix; None when no slot
+        is free. The same run already loading is not started twice: its prefetch is returned."""
+        namespace = self.namespace(fingerprint)
+        hashes = self._hashes(namespace, cache_salt, token_ids)[:match.pages + match.l3_pages]
+        key = hashes[match.pages].hex()
+        if key in self._prefetches:
+            return self._prefetches[key]
+        self._make_room(namespace, match.l3_pages)
+        slots = namespace.pool.allocate(match.l3_pages)
+        if not slots:
+            return None
+        namespace.allocated.update(slots)
+        lease = namespace.index.match(hashes[:match.pages], lock=True).lease
+        prefetch = Prefetch(key, namespace, hashes[:match.pages + len(slots)], match.pages, slots, lease)
+        self._prefetches[key] = prefetch
+        return prefetch
+
+    def prefetched(self, prefetch: Prefetch) -> bool:
+        """The next page's bytes are in its slot: caches it. False when the chain broke (stop loading)."""
+        page = prefetch.first + prefetch.ready
+        slot = prefetch.slots[prefetch.ready]
+        prefix = prefetch.namespace.index.match(prefetch.hashes[:page])
+        if prefix.pages < page:
+            return False
+        result = prefetch.namespace.index.insert(prefetch.hashes[:page + 1], [*prefix.l2_slots, slot])
+        prefetch.namespace.allocated.discard(slot)
+        if slot in result.unused_slots:  # a worker committed the same page meanwhile
+            prefetch.namespace.pool.free([slot])
+        prefetch.ready += 1
+        return True
+
+    def end_prefetch(self, prefetch: Prefetch, keep: Sequence[int] = ()) -> None:
+        """Frees the slots it did not load, except `keep` (a stuck read may still write them: see `free_slot`)."""
+        namespace = prefetch.namespace
+        unused = [s for s in prefetch.slots[prefetch.ready:] if s not in keep]
+        namespace.stuck.update(keep)
+        namespace.allocated.difference_update(unused)
+        namespace.pool.free(unused)
+        namespace.index.unlock(prefetch.lease)
+        prefetch.done = True
+        del self._prefetches[prefetch.prefetch_id]
+
+    def free_slot(self, namespace: Namespace, slot: int) -> None:
+        """Returns a slot a stuck prefetch read kept, once that read has ended."""
+        namespace.stuck.remove(slot)
+        namespace.allocated.discard(slot)
+        namespace.pool.free([slot])
+
+    def prefetch(self, prefetch_id: str) -> Prefetch | None:
+        return self._prefetches.get(prefetch_id)
 
     # -- expiry and bookkeeping --------------------------------------------------------------------------------
     def expire(self) -> int:
@@ -263,10 +354,12 @@ class KVCache:
         held_slots = {id(ns): [] for ns in self._namespaces.values()}
         for held in self._held.values():
             held_slots[id(held.namespace)] += held.slots
+        for prefetch in self._prefetches.values():
+            held_slots[id(prefetch.namespace)] += prefetch.slots[prefetch.ready:]
         for namespace in self._namespaces.values():
             namespace.index.check_integrity()
             namespace.pool.check_integrity()
-            slots = held_slots[id(namespace)]
+            slots = held_slots[id(namespace)] + list(namespace.stuck)
             if len(slots) != len(set(slots)) or set(slots) != namespace.allocated:
                 raise AssertionError(f"allocated slots {sorted(namespace.allocated)} != the allocations' {slots}")
             cached, allocated = namespace.index.total_pages, len(namespace.allocated)

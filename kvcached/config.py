@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixserve.config import setting
+from kvcached.l3 import WritePolicy
+from radixserve.config import cache_root, setting
 
 
 @dataclass(frozen=True)
 class KVCachedConfig:
-    """radixserve kvcached: the per-host KV-cache daemon (radix prefix index over a shared-memory DRAM tier)."""
+    """radixserve kvcached: the per-host KV-cache daemon (radix prefix index, shared-memory L2, LMDB L3)."""
 
     host: str = setting("127.0.0.1", "address to bind (loopback: workers share this host's memory)")
     port: int = setting(50052, "gRPC port")
@@ -17,6 +18,16 @@ class KVCachedConfig:
     log_level: str = setting("info", "debug, info, warning or error")
     host_cache_size_gb: float = setting(4.0, "L2 shared-memory pool per model, GiB (~180k tokens of SmolLM2-135M)")
     page_size: int = setting(16, "tokens per block; workers must register the same page size")
+    disk_cache_path: str = setting(str(cache_root() / "l3"), "LMDB environment of the L3 tier (persists restarts)")
+    disk_cache_size_gb: float = setting(16.0, "L3 size bound in GiB; 0 turns the disk tier off")
+    disk_cache_optional: bool = setting(False, "if the disk tier cannot open, run without it instead of exiting")
+    write_policy: WritePolicy = setting(WritePolicy.WRITE_THROUGH, "which blocks go to L3, always off the request path")
+    prefetch_threshold_tokens: int = setting(128, "shortest L3 run worth prefetching: below it, recompute is as cheap")
+    prefetch_threads: int = setting(4, "threads reading L3 for prefetches; a stuck read holds one, never all")
+    prefetch_read_timeout_s: float = setting(2.0, "a single L3 read slower than this ends its prefetch")
+    recompute_tokens_per_s: float = setting(800.0, "prefill speed assumed by the load-or-recompute decision "
+                                                   "(SmolLM2-135M float32 on 2 CPU cores)")
+    l3_read_delay_ms: float = setting(0.0, "TEST ONLY: slows every L3 read, to exercise prefetch policies")
     lease_ttl_s: float = setting(30.0, "a lease or allocation a crashed worker never released expires after this")
     drain_grace_s: float = setting(5.0, "seconds in-flight RPCs get to finish on SIGTERM")
 
@@ -27,3 +38,7 @@ class KVCachedConfig:
             raise ValueError("--page-size must be at least 1")
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
+        if self.disk_cache_size_gb < 0 or self.prefetch_threshold_tokens < 0 or self.l3_read_delay_ms < 0:
+            raise ValueError("--disk-cache-size-gb, --prefetch-threshold-tokens, --l3-read-delay-ms must be >= 0")
+        if self.prefetch_threads < 1 or self.prefetch_read_timeout_s <= 0 or self.recompute_tokens_per_s <= 0:
+            raise ValueError("--prefetch-threads, --prefetch-read-timeout-s, --recompute-tokens-per-s must be > 0")

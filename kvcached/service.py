@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import time
 
 import grpc
 
 from kvcached import metrics
 from kvcached.cache import Conflict, Exhausted, Geometry, InvalidRequest, KVCache, Namespace, NotFound
+from kvcached.prefetch import Prefetcher
 from radixserve.server import ServiceError
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc
 
@@ -23,7 +26,8 @@ def _rpc(fn):
         started = time.perf_counter()
         metrics.expired.inc(self.cache.expire())
         try:
-            return fn(self, request)
+            result = fn(self, request)
+            return await result if inspect.isawaitable(result) else result
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for cls, c in _STATUS if isinstance(e, cls))
             raise ServiceError(code, str(e.args[0])) from None
@@ -46,6 +50,14 @@ def handle_to_pb(ns: Namespace) -> kvcached_pb2.PoolHandle:
             dtype=g.dtype, layout=g.layout))
 
 
+def disk_to_pb(cache: KVCache) -> kvcached_pb2.DiskStats:
+    if cache.l3 is None:
+        return kvcached_pb2.DiskStats(enabled=False)
+    disk = cache.l3.disk.stats()
+    return kvcached_pb2.DiskStats(enabled=True, healthy=disk.healthy, blocks=disk.blocks, bytes_used=disk.bytes_used,
+                                  bytes_total=disk.bytes_total, corrupt_blocks=disk.corrupt_blocks)
+
+
 def refresh_gauges(cache: KVCache) -> None:
     total = sum(ns.pool.num_slots for ns in cache.namespaces())
     cached = sum(ns.index.total_pages for ns in cache.namespaces())
@@ -57,12 +69,21 @@ def refresh_gauges(cache: KVCache) -> None:
     metrics.bytes_.labels(tier="l2", state="cached").set(
         sum(ns.index.total_pages * block_bytes[ns.fingerprint] for ns in cache.namespaces()))
     metrics.leases.set(cache.leases())
+    if cache.l3 is not None:
+        cache.l3.refresh()
+        disk = cache.l3.disk.stats()
+        metrics.blocks.labels(tier="l3", state="cached").set(disk.blocks)
+        metrics.bytes_.labels(tier="l3", state="cached").set(disk.bytes_used)
+        metrics.bytes_.labels(tier="l3", state="total").set(disk.bytes_total)
+        metrics.l3_healthy.set(disk.healthy)
 
 
 class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
-    def __init__(self, cache: KVCache, page_size: int):
+    def __init__(self, cache: KVCache, page_size: int, prefetcher: Prefetcher | None = None):
+        """`prefetcher` None: no disk tier."""
         self.cache = cache
         self._page_size = page_size
+        self._prefetcher = prefetcher
 
     @_rpc
     def RegisterNamespace(self, request):
@@ -75,9 +96,31 @@ class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
         metrics.match_queries.inc()
         metrics.query_tokens.inc(len(request.token_ids) // self._page_size * self._page_size)
         metrics.hit_tokens.labels(tier="l2").inc(match.pages * self._page_size)
+        metrics.hit_tokens.labels(tier="l3").inc(match.l3_pages * self._page_size)
+        prefetch_id = None
+        if request.prefetch and self._prefetcher is not None:
+            prefetch_id = self._prefetcher.maybe_start(request.model_fingerprint, request.cache_salt,
+                                                       request.token_ids, match)
         return kvcached_pb2.MatchPrefixResponse(
             matched_pages=match.pages, l2_slots=match.l2_slots, lease_id=match.lease_id or "",
-            segment_name=self.cache.namespace(request.model_fingerprint).pool.name)
+            segment_name=self.cache.namespace(request.model_fingerprint).pool.name, l3_pages=match.l3_pages,
+            prefetch_id=prefetch_id or "")
+
+    @_rpc
+    async def WaitPrefetch(self, request):
+        if self._prefetcher is None:
+            return kvcached_pb2.WaitPrefetchResponse(done=True)
+        ready, total, done = await self._prefetcher.wait(request.prefetch_id, request.timeout_ms / 1e3)
+        return kvcached_pb2.WaitPrefetchResponse(ready_pages=ready, total_pages=total, done=done)
+
+    @_rpc
+    async def DropNamespace(self, request):
+        if any(ns.fingerprint == request.model_fingerprint for ns in self.cache.namespaces()):
+            raise Conflict(f"namespace {request.model_fingerprint[:12]} is registered; only stale ones are dropped")
+        if self.cache.l3 is None:
+            return kvcached_pb2.DropNamespaceResponse()
+        dropped = await asyncio.to_thread(self.cache.l3.disk.delete_namespace, request.model_fingerprint)
+        return kvcached_pb2.DropNamespaceResponse(dropped_blocks=dropped)
 
     @_rpc
     def AllocateSlots(self, request):
@@ -98,7 +141,7 @@ class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
 
     @_rpc
     def GetStats(self, request):
-        return kvcached_pb2.KVCacheStats(namespaces=[
+        return kvcached_pb2.KVCacheStats(disk=disk_to_pb(self.cache), namespaces=[
             kvcached_pb2.NamespaceStats(
                 model_fingerprint=ns.fingerprint, slots_total=ns.pool.num_slots, slots_free=ns.pool.num_free,
                 blocks_cached=ns.index.total_pages, leases=self.cache.leases(ns),

@@ -3,7 +3,8 @@
 Every RPC runs on the client's own thread, never on the engine loop or the gRPC event loop, with a deadline, so a
 slow or dead kvcached costs the worker nothing but reuse. Failures are logged, counted
 (`radixserve_worker_kvcached_errors_total`) and end that one job. A NOT_FOUND or an unknown pool (kvcached
-restarted) drops the registration; the next job registers again, so reuse resumes without a worker restart.
+restarted) drops the registration; the next job registers again, and an idle client re-registers every
+`HEARTBEAT_S` (idempotent), so a restarted kvcached knows the namespace, and serves its disk tier, within a second.
 
 Threading contract: `l2_slots_view` is called by the engine thread; `release`/`commit` only enqueue. The L1 pages
 of a commit job must stay unchanged until its `on_done` runs (the engine keeps them locked in its L1 index).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,7 +25,7 @@ import grpc
 import torch
 from prometheus_client import Counter
 
-from kvcached.tiers.dram_shm import SlabPool
+from kvcached.tiers.dram_shm import SHM_DIR, SlabPool
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc
 
 log = logging.getLogger("model_worker.kvcache_client")
@@ -32,6 +34,7 @@ errors = Counter("radixserve_worker_kvcached_errors_total", "kvcached calls that
 committed_blocks = Counter("radixserve_worker_committed_blocks_total", "Blocks committed to kvcached")
 
 REGISTER_BACKOFF_S = 2.0  # after a failed registration, jobs skip kvcached this long instead of piling up calls
+HEARTBEAT_S = 1.0  # an idle client re-registers this often: a restarted kvcached learns the namespace within it
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,11 @@ class CommitJob:
     on_done: Callable[[], None]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Attached:
     segment_name: str
     pool: SlabPool
-    slots: torch.Tensor  # [num_slots, *block shape], a view of the shared memory
+    slots: torch.Tensor | None  # [num_slots, *block shape], a view of the shared memory; None once retired
 
 
 class KVCacheClient:
@@ -63,7 +66,11 @@ class KVCacheClient:
         self._l1_kv = l1_kv
         self._timeout_s = timeout_s
         self._attached: _Attached | None = None
+        self._attach_lock = threading.RLock()
+        self._retired: list[_Attached] = []
+        self._block_bytes = l1_kv[0].numel() * l1_kv.element_size()
         self._retry_at = 0.0
+        self._reachable = True  # False after a failure until a registration succeeds
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvcache-client", daemon=True)
         self._thread.start()
@@ -71,9 +78,17 @@ class KVCacheClient:
 
     # -- engine side -------------------------------------------------------------------------------------------
     def l2_slots_view(self, segment_name: str) -> torch.Tensor | None:
-        """The attached pool's slots as blocks, if it is `segment_name` (else None: a lease from another pool)."""
+        """The slots of pool `segment_name` as blocks, attaching it first if it is new (kvcached restarted and the
+        heartbeat has not re-registered yet); None when it cannot be attached."""
         attached = self._attached
-        return attached.slots if attached is not None and attached.segment_name == segment_name else None
+        if attached is not None and attached.segment_name == segment_name:
+            return attached.slots
+        try:
+            num_slots = os.stat(os.path.join(SHM_DIR, segment_name)).st_size // self._block_bytes
+            return self._attach(segment_name, num_slots).slots
+        except (OSError, ValueError) as e:
+            log.warning("cannot attach the leased pool; recomputing", extra={"segment": segment_name, "error": str(e)})
+            return None
 
     def release(self, lease_id: str) -> None:
         self._jobs.put(("release", functools.partial(self._release, lease_id), None))
@@ -95,15 +110,47 @@ class KVCacheClient:
             self._failed("register", e)
             self._retry_at = time.monotonic() + REGISTER_BACKOFF_S
             return False
-        pool = SlabPool.attach(handle.segment_name, handle.slot_bytes, handle.num_slots)
-        slots = torch.frombuffer(pool.buffer, dtype=self._l1_kv.dtype).view(handle.num_slots, *self._l1_kv.shape[1:])
-        self._attached = _Attached(handle.segment_name, pool, slots)
-        log.info(f"Radix cache enabled, capacity {handle.num_slots} blocks in kvcached L2",
-                 extra={"kvcached": self._address, "segment": handle.segment_name})
+        self._reachable = True
+        with self._attach_lock:
+            self._close_retired()
+        if self._attached is None or self._attached.segment_name != handle.segment_name:
+            self._attach(handle.segment_name, handle.num_slots)
+            log.info(f"Radix cache enabled, capacity {handle.num_slots} blocks in kvcached L2",
+                     extra={"kvcached": self._address, "segment": handle.segment_name})
         return True
 
+    def _attach(self, segment_name: str, num_slots: int) -> _Attached:
+        """Maps pool `segment_name` (called by the engine thread or the client thread, hence the lock)."""
+        with self._attach_lock:
+            if self._attached is not None and self._attached.segment_name == segment_name:
+                return self._attached
+            pool = SlabPool.attach(segment_name, self._block_bytes, num_slots)
+            slots = torch.frombuffer(pool.buffer, dtype=self._l1_kv.dtype).view(num_slots, *self._l1_kv.shape[1:])
+            if self._attached is not None:
+                self._retired.append(self._attached)
+            self._attached = _Attached(segment_name, pool, slots)
+            self._close_retired()
+            return self._attached
+
+    def _close_retired(self) -> None:
+        """Unmaps pools of a previous kvcached (their memory is freed only once unmapped). A copy still reading
+        one keeps it mapped until a later call."""
+        for old in list(self._retired):
+            old.slots = None
+            try:
+                old.pool.close()
+                self._retired.remove(old)
+            except BufferError:
+                pass
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                job = ("register", self.register, None)
+            if job is None:
+                return
             op, run, on_done = job
             try:
                 run()
@@ -132,9 +179,14 @@ class KVCacheClient:
 
     def _failed(self, op: str, e: grpc.RpcError) -> None:
         errors.labels(op=op).inc()
-        log.warning("kvcached call failed; continuing without it", extra={
-            "op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
+        if self._reachable:  # one line per outage, not one per heartbeat
+            log.warning("kvcached call failed; continuing without it", extra={
+                "op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
+        self._reachable = e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) and op != "release":
-            # kvcached restarted or went away: forget its pool; the next commit registers again. The old mapping
-            # closes when the last view of it (maybe an engine copy in progress) is gone.
-            self._attached = None
+            # kvcached restarted or went away: forget its pool; the next registration attaches the new one.
+            with self._attach_lock:
+                if self._attached is not None:
+                    self._retired.append(self._attached)
+                    self._attached = None
+                self._close_retired()

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from radixserve.config import setting
+
+
+class PrefetchPolicy(str, enum.Enum):
+    WAIT_COMPLETE = "wait_complete"
+    BEST_EFFORT = "best_effort"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -19,6 +29,8 @@ class RouterConfig:
     kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT; empty = no shared prefix cache")
     kvcached_timeout_ms: int = setting(100, "deadline of a prefix match; past it the request is recomputed")
     lease_ttl_ms: int = setting(30_000, "how long kvcached pins a matched prefix if the worker never releases it")
+    prefetch_policy: PrefetchPolicy = setting(PrefetchPolicy.TIMEOUT, "when a request with disk-tier pages runs")
+    prefetch_timeout_ms: int = setting(200, "the timeout policy's wait: about one 128-token prefill chunk here")
     disable_radix_cache: bool = setting(False, "never reuse or cache prefixes, in kvcached or worker L1 (A/B runs)")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
@@ -29,6 +41,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.worker:
             raise ValueError("at least one --worker is needed")
+        if self.prefetch_timeout_ms < 0:
+            raise ValueError("--prefetch-timeout-ms must not be negative")
         if self.kvcached_timeout_ms < 1 or self.lease_ttl_ms < 1:
             raise ValueError("--kvcached-timeout-ms and --lease-ttl-ms must be positive")
         if self.max_new_tokens_limit < 1 or self.max_input_chars < 1:

@@ -1,41 +1,115 @@
-"""The router's view of kvcached: match a prompt's cached prefix and lease it for the worker.
+"""The router's view of kvcached: match a prompt's cached prefix, wait for its disk part per the prefetch policy,
+and lease what is in L2 for the worker.
 
+    MatchPrefix(lease, prefetch) ──► L3 pages and a prefetch running? ──► wait per policy ──► MatchPrefix(lease) again
+                                     no ─► dispatch with the L2 lease        wait_complete: until loaded (or deadline)
+                                                                              timeout: up to --prefetch-timeout-ms
+                                                                              best_effort: not at all
+
+Each request waits on its own, so a request without disk pages never queues behind one that has them.
 kvcached is an accelerator, never a dependency: any failure or a missed deadline yields "no match", a log line and
-`radixserve_kvcached_errors_total`; the request is then recomputed. gRPC channels reconnect on their own, so reuse
+`radixserve_kvcached_errors_total`, and the request is recomputed. gRPC channels reconnect on their own, so reuse
 resumes when kvcached comes back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import grpc
 
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, worker_pb2
 from router import metrics
+from router.config import PrefetchPolicy
 
 log = logging.getLogger("router.prefix")
 
+WAIT_COMPLETE_CAP_S = 60.0  # wait_complete without a client deadline still ends (a prefetch's reads have timeouts)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What a request may reuse: the L2 lease, which of its pages were loaded from L3 for it, and the wait."""
+
+    lease: worker_pb2.L2Lease | None
+    l3_pages: range = range(0)  # page indices loaded from L3 into L2 while this request waited
+    prefetch_wait_s: float = 0.0
+
 
 class PrefixMatcher:
-    def __init__(self, address: str, fingerprint: str, timeout_s: float, lease_ttl_ms: int):
+    def __init__(self, address: str, fingerprint: str, timeout_s: float, lease_ttl_ms: int, policy: PrefetchPolicy,
+                 prefetch_timeout_s: float):
         self._stub = kvcached_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(address))
         self._address = address
         self._fingerprint = fingerprint
         self._timeout_s = timeout_s
         self._lease_ttl_ms = lease_ttl_ms
+        self._policy = policy
+        self._prefetch_timeout_s = prefetch_timeout_s
 
-    async def lease(self, token_ids: list[int], cache_salt: str) -> worker_pb2.L2Lease | None:
-        """The leased L2 slots of the longest cached prefix of `token_ids`, or None (no match, or kvcached down)."""
+    async def reuse(self, token_ids: list[int], cache_salt: str, deadline_s: float | None) -> Reuse:
+        """The reusable prefix of `token_ids`; `deadline_s` is the client's remaining time (None: no deadline)."""
+        first = await self._match(token_ids, cache_salt, prefetch=True)
+        if first is None:
+            return Reuse(None)
+        if not first.prefetch_id or self._policy is PrefetchPolicy.BEST_EFFORT:
+            self._count_prefetch(first.l3_pages, loaded=0)
+            return Reuse(_lease(first))
+        started = time.monotonic()
+        await self._wait(first.prefetch_id, self._wait_budget(deadline_s))
+        waited = time.monotonic() - started
+        metrics.prefetch_wait_time.observe(waited)
+        if first.lease_id:
+            await self._release(first.lease_id)
+        second = await self._match(token_ids, cache_salt, prefetch=False)
+        if second is None:
+            return Reuse(None, prefetch_wait_s=waited)
+        loaded = max(0, second.matched_pages - first.matched_pages)
+        self._count_prefetch(first.l3_pages, loaded)
+        return Reuse(_lease(second), range(first.matched_pages, first.matched_pages + loaded), waited)
+
+    def _wait_budget(self, deadline_s: float | None) -> float:
+        if self._policy is PrefetchPolicy.TIMEOUT:
+            return self._prefetch_timeout_s
+        return min(deadline_s, WAIT_COMPLETE_CAP_S) if deadline_s is not None else WAIT_COMPLETE_CAP_S
+
+    @staticmethod
+    def _count_prefetch(l3_pages: int, loaded: int) -> None:
+        if l3_pages:
+            (metrics.prefetch_hit if loaded >= l3_pages else metrics.prefetch_miss).inc()
+
+    async def _match(self, token_ids: list[int], cache_salt: str, prefetch: bool
+                     ) -> kvcached_pb2.MatchPrefixResponse | None:
         request = kvcached_pb2.MatchPrefixRequest(model_fingerprint=self._fingerprint, cache_salt=cache_salt,
-                                                  token_ids=token_ids, lease=True, lease_ttl_ms=self._lease_ttl_ms)
+                                                  token_ids=token_ids, lease=True, lease_ttl_ms=self._lease_ttl_ms,
+                                                  prefetch=prefetch)
+        return await self._call("match", self._stub.MatchPrefix, request, self._timeout_s)
+
+    async def _wait(self, prefetch_id: str, budget_s: float) -> None:
+        metrics.prefetch_queue_size.inc()
         try:
-            match = await self._stub.MatchPrefix(request, timeout=self._timeout_s)
+            request = kvcached_pb2.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=int(budget_s * 1e3))
+            await self._call("wait_prefetch", self._stub.WaitPrefetch, request, budget_s + self._timeout_s)
+        finally:
+            metrics.prefetch_queue_size.dec()
+
+    async def _release(self, lease_id: str) -> None:
+        await self._call("release", self._stub.ReleaseLease, kvcached_pb2.ReleaseLeaseRequest(lease_id=lease_id),
+                         self._timeout_s)
+
+    async def _call(self, op: str, method, request, timeout_s: float):
+        try:
+            return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
-            metrics.kvcached_errors.labels(op="match").inc()
-            log.warning("kvcached match failed; recomputing", extra={"kvcached": self._address,
-                                                                     "code": e.code().name, "details": e.details()})
+            metrics.kvcached_errors.labels(op=op).inc()
+            log.warning("kvcached call failed; recomputing what it would have served",
+                        extra={"op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
             return None
-        if not match.lease_id:
-            return None
-        return worker_pb2.L2Lease(lease_id=match.lease_id, segment_name=match.segment_name, slots=match.l2_slots)
+
+
+def _lease(match: kvcached_pb2.MatchPrefixResponse) -> worker_pb2.L2Lease | None:
+    if not match.lease_id:
+        return None
+    return worker_pb2.L2Lease(lease_id=match.lease_id, segment_name=match.segment_name, slots=match.l2_slots)

@@ -12,7 +12,7 @@ import grpc
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics
-from router.prefix import PrefixMatcher
+from router.prefix import PrefixMatcher, Reuse
 from router.routing import WorkerPool
 from router.tokenizer import PromptTokenizer
 from router.validation import Limits, prompt_ids, resolve_sampling
@@ -38,11 +38,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
         request_id = request.request_id or uuid.uuid4().hex
         metrics.prompt_tokens.inc(len(ids))
-        lease = await self._matcher.lease(ids, request.cache_salt) if self._matcher else None
+        reuse = (await self._matcher.reuse(ids, request.cache_salt, context.time_remaining())
+                 if self._matcher else Reuse(None))
         forward = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_ids=ids, sampling=sampling,
                                                    cache_salt=request.cache_salt, disable_cache=self._matcher is None,
-                                                   l2_lease=lease)
-        run = _Run(request_id, len(ids), started)
+                                                   l2_lease=reuse.lease)
+        run = _Run(request_id, len(ids), started, reuse, self._pool.model.page_size)
         with self._pool.pick() as worker:
             call = worker.stub.Generate(forward, timeout=context.time_remaining())
             try:
@@ -79,8 +80,10 @@ class _Run:
     The request counts as waiting (`radixserve_waiting_queue_size`) from admission to its first token or `close()`.
     """
 
-    def __init__(self, request_id: str, prompt_tokens: int, started: float):
+    def __init__(self, request_id: str, prompt_tokens: int, started: float, reuse: Reuse, page_size: int):
         self.request_id = request_id
+        self.reuse = reuse
+        self.page_size = page_size
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.first_token_at: float | None = None
@@ -116,14 +119,25 @@ class _Run:
 
     def _finish(self, response: router_pb2.GenerateResponse, last: worker_pb2.WorkerGenerateResponse) -> None:
         now = time.monotonic()
-        cached = last.cached_tokens_l1 + last.cached_tokens_l2
+        l1, copied = last.cached_tokens_l1, last.cached_tokens_l2
+        l3 = self._from_l3(l1, copied)
         response.usage.CopyFrom(router_pb2.Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, cached_tokens=cached,
-            cached_tokens_l1=last.cached_tokens_l1, cached_tokens_l2=last.cached_tokens_l2))
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, cached_tokens=l1 + copied,
+            cached_tokens_l1=l1, cached_tokens_l2=copied - l3, cached_tokens_l3=l3))
         ttft = (self.first_token_at or now) - self.started
         response.timings.CopyFrom(router_pb2.Timings(queue_ms=last.queue_ms, prefill_ms=last.prefill_ms,
+                                                     prefetch_wait_ms=self.reuse.prefetch_wait_s * 1e3,
                                                      ttft_ms=ttft * 1e3, e2e_ms=(now - self.started) * 1e3))
         metrics.generation_tokens.inc(self.completion_tokens)
         metrics.e2e_latency.observe(now - self.started)
-        for tier, n in (("l1", last.cached_tokens_l1), ("l2", last.cached_tokens_l2)):
+        for tier, n in (("l1", l1), ("l2", copied - l3), ("l3", l3)):
             metrics.cached_tokens.labels(tier=tier).inc(n)
+
+    def _from_l3(self, l1: int, copied: int) -> int:
+        """Tokens the worker copied from L2 that were loaded from L3 for this request.
+
+        The worker copied tokens [l1, l1 + copied) from L2; the pages loaded from L3 cover `reuse.l3_pages`.
+        """
+        loaded = self.reuse.l3_pages
+        overlap = min(l1 + copied, loaded.stop * self.page_size) - max(l1, loaded.start * self.page_size)
+        return max(0, overlap)

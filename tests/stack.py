@@ -38,7 +38,9 @@ class Processes:
         return f"127.0.0.1:{port}"
 
     def kvcached(self, name: str = "kvcached", args: list[str] = ()) -> str:
-        return self.start("kvcached", name, ["--host-cache-size-gb", "0.5", *args])
+        """A daemon with its own disk tier under the log directory (restarts with the same name find it)."""
+        disk = ["--disk-cache-path", str(self.log_dir / f"{name}-l3"), "--disk-cache-size-gb", "1"]
+        return self.start("kvcached", name, ["--host-cache-size-gb", "0.5", *disk, *args])
 
     def worker(self, kvcached: str, name: str = "worker", args: list[str] = ()) -> str:
         return self.start("model_worker", name, ["--kvcached", kvcached, "--l1-cache-size-gb", "0.25", *args])

@@ -100,7 +100,8 @@ class Daemons:
             try:
                 process = stack.start("kvcached", port, [
                     "--metrics-port", str(metrics_port), "--host-cache-size-gb", str(pool_gb),
-                    "--page-size", str(PAGE), "--lease-ttl-s", str(lease_ttl_s), "--drain-grace-s", "1", *args],
+                    "--page-size", str(PAGE), "--lease-ttl-s", str(lease_ttl_s), "--drain-grace-s", "1",
+                    "--disk-cache-size-gb", "0", *args],  # L2 only here: test_l3_e2e.py covers the disk tier
                     timeout_s=60, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
             except BaseException:
                 stack.stop(timeout_s=5)
@@ -202,7 +203,8 @@ def test_grpcurl_lists_services_by_reflection_and_health_is_serving(daemon):
         "radixserve.v1.KVCache", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     methods = grpcurl(daemon, "list", "radixserve.v1.KVCache")
     assert set(methods.split()) == {f"radixserve.v1.KVCache.{m}" for m in (
-        "RegisterNamespace", "MatchPrefix", "AllocateSlots", "CommitBlocks", "ReleaseLease", "GetStats")}
+        "RegisterNamespace", "MatchPrefix", "AllocateSlots", "CommitBlocks", "ReleaseLease", "WaitPrefetch",
+        "DropNamespace", "GetStats")}
     for service in ("", "radixserve.v1.KVCache"):
         out = grpcurl(daemon, "grpc.health.v1.Health/Check", flags=("-d", f'{{"service": "{service}"}}'))
         assert '"status": "SERVING"' in out

@@ -1,0 +1,99 @@
+"""What kvcached knows of its disk tier (L3), and the write policy that decides which blocks go there.
+
+Called on the daemon's event-loop thread only, like `KVCache`. L3 keys are chained block hashes, so the index of L3
+is a plain set: a prompt's L3 run after its L2 prefix is the count of consecutive hashes in it (a gap ends it).
+Blocks of a namespace that is not registered can never match: their hashes commit to another fingerprint.
+
+Write policies (`--write-policy`), all asynchronous (`DiskTier.put_async` copies the block and returns at once):
+- write_through: every committed block;
+- write_through_selective: a block once it has been hit twice by MatchPrefix;
+- write_back: a block when it is evicted from L2 (its bytes are copied out before the slot is reused).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+
+from kvcached.keys import BlockHash
+from kvcached.radix import EvictedBlock
+from kvcached.tiers.dram_shm import SlabPool
+from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind
+
+log = logging.getLogger("kvcached.l3")
+
+SELECTIVE_HITS = 2  # hits before write_through_selective stores a block: once is chance, twice is a pattern
+
+
+class WritePolicy(str, enum.Enum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class L3:
+    def __init__(self, disk: DiskTier, policy: WritePolicy):
+        self.disk = disk
+        self.policy = policy
+        self._blocks: set[BlockHash] = {meta.hash for meta in disk.scan()}
+        self._hits: dict[BlockHash, int] = {}
+        log.info("disk tier open", extra={"blocks": len(self._blocks), "write_policy": policy.value})
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def refresh(self) -> None:
+        """Applies the tier's evictions, corrupt-block deletions and namespace drops to the set."""
+        for event in self.disk.take_events():
+            if event.kind is EventKind.REMOVED:
+                self._blocks.discard(event.block_hash)
+                self._hits.pop(event.block_hash, None)
+
+    def run_length(self, hashes: Sequence[BlockHash], start: int) -> int:
+        """How many of hashes[start:] are in L3, consecutively from `start`; 0 while the tier is unhealthy."""
+        if not self.disk.healthy:
+            return 0
+        end = start
+        while end < len(hashes) and hashes[end] in self._blocks:
+            end += 1
+        return end - start
+
+    def has(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._blocks
+
+    # -- write policies ----------------------------------------------------------------------------------------
+    def committed(self, namespace: str, pool: SlabPool, hashes: Sequence[BlockHash], first: int,
+                  slots: Sequence[int]) -> None:
+        """Pages hashes[first:first+len(slots)] were just committed into `slots`."""
+        if self.policy is WritePolicy.WRITE_THROUGH:
+            for i, slot in enumerate(slots, start=first):
+                self._store(namespace, pool, hashes[i], hashes[i - 1] if i else None, slot)
+
+    def hit(self, namespace: str, pool: SlabPool, hashes: Sequence[BlockHash], slots: Sequence[int]) -> None:
+        """MatchPrefix found hashes[:len(slots)] in L2."""
+        if self.policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
+            return
+        for i, slot in enumerate(slots):
+            count = self._hits.get(hashes[i], 0) + 1
+            self._hits[hashes[i]] = count
+            if count == SELECTIVE_HITS:
+                self._store(namespace, pool, hashes[i], hashes[i - 1] if i else None, slot)
+
+    def evicted(self, namespace: str, pool: SlabPool, blocks: Sequence[EvictedBlock]) -> None:
+        """`blocks` leave L2; their slots are still intact."""
+        for block in blocks:
+            if self.policy is WritePolicy.WRITE_BACK:
+                self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot)
+            self._hits.pop(block.block_hash, None)
+
+    def _store(self, namespace: str, pool: SlabPool, block_hash: BlockHash, parent: BlockHash | None,
+               slot: int) -> None:
+        if block_hash in self._blocks or not self.disk.healthy:
+            return
+        # Counted as stored at once: a read that races the writer is a miss, and a miss only costs a recompute.
+        if self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, bytes(pool.view(slot))):
+            self._blocks.add(block_hash)

@@ -1,0 +1,136 @@
+"""The disk tier inside KVCache: write policies, L3 runs in matches, prefetch bookkeeping, stale namespaces.
+
+A real DiskTier (LMDB in tmp_path) and real shared memory; blocks of 256 bytes, pages of 4 tokens, 8 L2 slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached.cache import KVCache
+from kvcached.l3 import L3, WritePolicy
+from kvcached.tiers.lmdb_tier import DiskTier
+from tests.test_kvcache_core import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
+
+
+@pytest.fixture
+def disk(tmp_path):
+    with DiskTier(tmp_path / "l3", 1 << 20) as tier:
+        yield tier
+
+
+def make_cache(disk: DiskTier, policy: WritePolicy) -> Checked:
+    cache = KVCache(SLOTS * BLOCK, PAGE, TTL, FakeClock(), l3=L3(disk, policy))
+    cache.register(FP, GEO)
+    return Checked(cache)
+
+
+@pytest.fixture
+def close_all():
+    caches: list[Checked] = []
+    yield caches.append
+    for cache in caches:
+        cache.raw.close()
+
+
+def commit(cache: Checked, tokens: list[int], first_page: int = 0) -> None:
+    pages = len(tokens) // PAGE - first_page
+    allocation = cache.allocate(FP, pages)
+    for i, slot in enumerate(allocation.slots):  # distinct bytes per page, to check what L3 gets
+        cache.namespace(FP).pool.view(slot)[:] = bytes([first_page + i + 1]) * BLOCK
+    cache.commit(FP, "", tokens, first_page, allocation.slots, allocation.allocation_id)
+
+
+def stored(cache: Checked, disk: DiskTier) -> int:
+    disk.flush()
+    cache.l3.refresh()
+    return disk.stats().blocks
+
+
+def test_write_through_stores_every_committed_block(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH)
+    close_all(cache)
+    commit(cache, toks(1, 2, 3))
+    assert stored(cache, disk) == 3
+    commit(cache, toks(1, 2, 3, 4), first_page=3)
+    assert stored(cache, disk) == 4
+
+
+def test_selective_stores_a_block_on_its_second_hit(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH_SELECTIVE)
+    close_all(cache)
+    commit(cache, toks(1, 2))
+    cache.match(FP, "", toks(1), lease=False)
+    assert stored(cache, disk) == 0
+    cache.match(FP, "", toks(1, 2), lease=False)
+    assert stored(cache, disk) == 1  # page 1 hit twice, page 2 once
+    cache.match(FP, "", toks(1, 2), lease=False)
+    assert stored(cache, disk) == 2
+
+
+def test_write_back_stores_only_what_l2_evicts_with_its_bytes(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_BACK)
+    close_all(cache)
+    commit(cache, toks(1, 2, 3, 4, 5, 6))
+    assert stored(cache, disk) == 0
+    cache.allocate(FP, 4)  # 2 free: evicts pages 6 and 5, leaf end first
+    assert stored(cache, disk) == 2
+    match = cache.match(FP, "", toks(1, 2, 3, 4, 5, 6), lease=False)
+    assert (match.pages, match.l3_pages) == (4, 2)
+    hashes = cache._hashes(cache.namespace(FP), "", toks(1, 2, 3, 4, 5, 6))
+    assert disk.get(hashes[5]) == bytes([6]) * BLOCK
+
+
+def test_prefetch_loads_the_l3_run_front_to_back_into_l2(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_BACK)
+    close_all(cache)
+    prompt = toks(1, 2, 3, 4, 5, 6)
+    commit(cache, prompt)
+    cache.allocate(FP, 5)  # evicts pages 6, 5, 4 to L3
+    assert stored(cache, disk) == 3
+    match = cache.match(FP, "", prompt, lease=False)
+    assert (match.pages, match.l3_pages) == (3, 3)
+    cache.raw._clock.now += 2 * TTL  # drop the allocations above so the prefetch gets slots
+    cache.raw.expire()
+    prefetch = cache.start_prefetch(FP, "", prompt, match)
+    assert prefetch.total == 3 and cache.start_prefetch(FP, "", prompt, match) is prefetch
+    hashes = prefetch.hashes
+    for page in range(3, 6):
+        slot = prefetch.slots[page - 3]
+        assert disk.read_into(hashes[page], cache.namespace(FP).pool.view(slot))
+        assert cache.prefetched(prefetch)
+        assert cache.match(FP, "", prompt, lease=False).pages == page + 1
+    cache.end_prefetch(prefetch)
+    assert prefetch.done and cache.prefetch(prefetch.prefetch_id) is None
+
+
+def test_end_prefetch_frees_unloaded_slots_but_keeps_a_stuck_one(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_BACK)
+    close_all(cache)
+    prompt = toks(1, 2, 3, 4, 5, 6)
+    commit(cache, prompt)
+    cache.allocate(FP, 6)
+    cache.raw._clock.now += 2 * TTL
+    cache.raw.expire()
+    match = cache.match(FP, "", prompt, lease=False)
+    prefetch = cache.start_prefetch(FP, "", prompt, match)
+    stuck = prefetch.slots[0]
+    free_before = cache.namespace(FP).pool.num_free
+    cache.end_prefetch(prefetch, keep=[stuck])
+    assert cache.namespace(FP).pool.num_free == free_before + prefetch.total - 1
+    cache.free_slot(cache.namespace(FP), stuck)
+    assert cache.namespace(FP).pool.num_free == free_before + prefetch.total
+
+
+def test_blocks_of_another_model_are_never_matched_and_can_be_dropped(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH)
+    close_all(cache)
+    commit(cache, toks(1, 2, 3))
+    assert stored(cache, disk) == 3
+    other = KVCache(SLOTS * BLOCK, PAGE, TTL, FakeClock(), l3=L3(disk, WritePolicy.WRITE_THROUGH))
+    close_all(Checked(other))
+    other.register("model-b", GEO)
+    assert other.match("model-b", "", toks(1, 2, 3), lease=False).l3_pages == 0
+    assert disk.delete_namespace(FP) == 3
+    other.l3.refresh()
+    assert len(other.l3) == 0
