@@ -21,6 +21,7 @@ from radixserve.v1 import kvcached_pb2_grpc
 
 log = logging.getLogger("kvcached")
 
+DISK_HEALTH = "radixserve.v1.KVCache/disk"  # health name of the L3 tier: NOT_SERVING after an I/O error
 EXPIRY_INTERVAL_S = 1.0  # leases have a TTL of seconds; checking each second keeps pinned memory bounded
 
 
@@ -63,7 +64,8 @@ async def run(config: KVCachedConfig) -> None:
         await serve("kvcached", config.host, config.port, config.metrics_port,
                     [ServiceSpec(KVCacheServicer(cache, config.page_size, prefetcher),
                                  kvcached_pb2_grpc.add_KVCacheServicer_to_server, "radixserve.v1.KVCache")],
-                    grace_s=config.drain_grace_s)
+                    grace_s=config.drain_grace_s,
+                    components={DISK_HEALTH: (lambda: disk.healthy)} if disk is not None else None)
     finally:
         expiry.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -186,7 +186,7 @@ class Engine:
                                               head_dim=shape.head_dim, page_size=config.page_size,
                                               dtype=self.info.dtype, layout=LAYOUT)
         return KVCacheClient(config.kvcached, self.info.fingerprint, geometry, self.pool.kv,
-                             config.kvcached_timeout_s)
+                             config.kvcached_timeout_s, self.pool.copy_block)
 
     def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
         shape = self.model.shape

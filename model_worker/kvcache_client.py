@@ -57,8 +57,9 @@ class _Attached:
 
 class KVCacheClient:
     def __init__(self, address: str, fingerprint: str, geometry: kvcached_pb2.BlockGeometry, l1_kv: torch.Tensor,
-                 timeout_s: float):
-        """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`."""
+                 timeout_s: float, copy_block: Callable[[torch.Tensor, torch.Tensor], None]):
+        """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`, moved by `copy_block`."""
+        self._copy_block = copy_block
         self._stub = kvcached_pb2_grpc.KVCacheStub(grpc.insecure_channel(address))
         self._address = address
         self._fingerprint = fingerprint
@@ -170,7 +171,7 @@ class KVCacheClient:
         allocation = self._stub.AllocateSlots(kvcached_pb2.AllocateSlotsRequest(
             model_fingerprint=self._fingerprint, count=len(job.l1_pages)), timeout=self._timeout_s)
         for slot, page in zip(allocation.slots, job.l1_pages):
-            slots_view[slot].copy_(self._l1_kv[page])
+            self._copy_block(slots_view[slot], self._l1_kv[page])
         result = self._stub.CommitBlocks(kvcached_pb2.CommitBlocksRequest(
             model_fingerprint=self._fingerprint, cache_salt=job.cache_salt, token_ids=job.token_ids,
             first_page=job.first_page, slots=allocation.slots, allocation_id=allocation.allocation_id),

@@ -117,7 +117,7 @@ class PrefixCache:
         self.make_room(len(slots))
         pages = self._pool.allocate(len(slots))
         for page, slot in zip(pages, slots):
-            self._pool.kv[page].copy_(blocks[slot])
+            self._pool.copy_block(self._pool.kv[page], blocks[slot])
         return pages
 
     def _release_l2(self, state: CacheState) -> None:

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -117,10 +117,11 @@ class ServiceSpec:
 
 
 async def serve(name: str, host: str, port: int, metrics_port: int, services: Iterable[ServiceSpec],
-                on_drain: Callable[[], Awaitable[None]] | None = None, grace_s: float = 10.0) -> None:
-    """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, `on_drain()`, stop with `grace_s`.
+                grace_s: float = 10.0, components: Mapping[str, Callable[[], bool]] | None = None) -> None:
+    """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`.
 
-    Health and reflection are always served. `metrics_port` 0 turns the Prometheus endpoint off.
+    Health and reflection are always served. `components` are extra health names (e.g. a cache tier) whose status
+    follows their check, polled every `COMPONENT_POLL_S`. `metrics_port` 0 turns the Prometheus endpoint off.
     """
     services = list(services)
     server = grpc.aio.server(interceptors=[StatusInterceptor()],
@@ -141,20 +142,31 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
     for service_name in ["", *(s.full_name for s in services)]:
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", extra={"service": name, "address": address, "metrics_port": metrics_port})
+    watch = asyncio.create_task(_watch_components(health_servicer, components or {}))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    watch.cancel()
     started = time.monotonic()
     log.info("draining", extra={"service": name, "grace_s": grace_s})
     for service_name in ["", *(s.full_name for s in services)]:
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if on_drain is not None:
-        await on_drain()
     await server.stop(grace_s)
     log.info("stopped", extra={"service": name, "drain_s": round(time.monotonic() - started, 3)})
+
+
+COMPONENT_POLL_S = 1.0
+
+
+async def _watch_components(servicer, components: Mapping[str, Callable[[], bool]]) -> None:
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    while components:
+        for component, check in components.items():
+            await _set_health(servicer, component, serving if check() else not_serving)
+        await asyncio.sleep(COMPONENT_POLL_S)
 
 
 async def _set_health(servicer, service_name: str, status) -> None:
