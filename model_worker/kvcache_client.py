@@ -25,7 +25,7 @@ import grpc
 import torch
 from prometheus_client import Counter
 
-from kvcached.tiers.dram_shm import SHM_DIR, SlabPool
+from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SHM_DIR, SlabPool
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc
 
 log = logging.getLogger("model_worker.kvcache_client")
@@ -84,6 +84,9 @@ class KVCacheClient:
         attached = self._attached
         if attached is not None and attached.segment_name == segment_name:
             return attached.slots
+        if not segment_name.startswith(SEGMENT_PREFIX) or "/" in segment_name:
+            log.warning("lease names a segment that is not kvcached's; ignoring it", extra={"segment": segment_name})
+            return None
         try:
             num_slots = os.stat(os.path.join(SHM_DIR, segment_name)).st_size // self._block_bytes
             return self._attach(segment_name, num_slots).slots
