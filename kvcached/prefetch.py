@@ -26,7 +26,7 @@ from kvcached.tiers.lmdb_tier import DiskTier
 
 log = logging.getLogger("kvcached.prefetch")
 
-INITIAL_READ_BPS = 1e9  # before the first measurement; LMDB page-cache reads with crc32 ran at 1.3-1.9 GB/s here
+INITIAL_READ_BPS = 1e9  # before the first measurement: a conservative guess for page-cache reads
 EWMA_WEIGHT = 0.2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,20 @@ class Processes:
 
     def stop(self) -> None:
         self.stack.stop()
+
+
+def wait_for(condition, timeout_s: float = 20) -> bool:
+    """Polls `condition()` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def cached_blocks(kvcached: str) -> int:
+    return sum(ns.blocks_cached for ns in kvcached_stats(kvcached).namespaces)
 
 
 def router_stub(address: str) -> router_pb2_grpc.RouterStub:

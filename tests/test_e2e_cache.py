@@ -15,7 +15,7 @@ import pytest
 
 from radixserve.v1 import router_pb2
 from kvcached.tiers.dram_shm import segment_pid
-from tests.stack import REPO, Processes, kvcached_stats, router_stub
+from tests.stack import REPO, Processes, cached_blocks, router_stub, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,15 +53,6 @@ def segments_of(pids: set[int]) -> set[str]:
     return {name for name in os.listdir("/dev/shm") if segment_pid(name) in pids}
 
 
-def wait_cached_blocks(kvcached: str, at_least: int, timeout_s: float = 10) -> int:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        cached = sum(ns.blocks_cached for ns in kvcached_stats(kvcached).namespaces)
-        if cached >= at_least or time.monotonic() > deadline:
-            return cached
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     processes = Processes(tmp_path_factory.mktemp("logs"))
@@ -94,10 +85,10 @@ def test_second_request_reuses_the_shared_prefix_with_equal_output(cluster):
 def test_prefix_computed_by_worker_a_is_reused_by_worker_b(cluster):
     _, kvcached, routers = cluster
     prompt = ask(document(2), "Where does the river bend?")
-    before = wait_cached_blocks(kvcached, 0)
+    before = cached_blocks(kvcached)
     on_a = generate(routers["a"], prompt)
     prompt_pages = on_a.usage.prompt_tokens // PAGE
-    assert wait_cached_blocks(kvcached, before + prompt_pages) >= before + prompt_pages
+    assert wait_for(lambda: cached_blocks(kvcached) >= before + prompt_pages, timeout_s=10)
     on_b = generate(routers["b"], prompt)
     assert on_b.usage.cached_tokens_l2 >= 0.9 * (prompt_pages - 1) * PAGE
     assert on_b.usage.cached_tokens_l1 == 0
@@ -125,7 +116,7 @@ def test_kill_9_kvcached_mid_stream_then_restart_brings_hits_back(cluster):
     for seed in range(20, 23):  # the first commit after a restart may find the worker attached to the dead pool
         prompt = ask(document(seed), "What did the children count?")
         pages = generate(routers["b"], prompt).usage.prompt_tokens // PAGE
-        wait_cached_blocks(kvcached, pages, timeout_s=5)
+        wait_for(lambda: cached_blocks(kvcached) >= pages, timeout_s=5)
         hits.append(generate(routers["a"], prompt).usage.cached_tokens_l2)
         if hits[-1]:
             break

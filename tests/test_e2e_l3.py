@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import pytest
 
 from radixserve.v1 import router_pb2
-from tests.stack import REPO, Processes, kvcached_stats, router_stub
+from tests.stack import REPO, Processes, kvcached_stats, router_stub, wait_for
 from tests.test_e2e_cache import GREEDY, PAGE, ask, document
 
 pytestmark = pytest.mark.e2e
@@ -27,15 +26,6 @@ def generate(router: str, messages) -> router_pb2.GenerateResponse:
     (response,) = router_stub(router).Generate(router_pb2.GenerateRequest(messages=messages, sampling=GREEDY),
                                                timeout=120)
     return response
-
-
-def wait_for(condition, timeout_s: float = 20) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def disk_blocks(kvcached: str) -> int:
