@@ -19,7 +19,8 @@ from tests.test_e2e_cache import GREEDY, PAGE, ask, document
 
 pytestmark = pytest.mark.e2e
 
-READ_DELAY_MS = 25  # per L3 block after the restart: ~45 pages load in ~1.1 s, far beyond the 200 ms timeout
+READ_DELAY_MS = 15  # per L3 block after the restart: ~25 pages load in ~0.4 s (batches of 8: 120 ms each), so the
+#                     200 ms timeout policy dispatches with part of them
 
 
 def generate(router: str, messages) -> router_pb2.GenerateResponse:
@@ -87,7 +88,7 @@ def test_timeout_policy_dispatches_at_the_timeout(cluster):
     partial = generate(routers["timeout"], prompts["timeout"])
     full_pages = (partial.usage.prompt_tokens - 1) // PAGE
     assert 180 <= partial.timings.prefetch_wait_ms < 600
-    assert 0 < partial.usage.cached_tokens_l3 < 0.5 * full_pages * PAGE
+    assert 0 < partial.usage.cached_tokens_l3 < full_pages * PAGE
     assert list(partial.token_ids) == list(answers["timeout"].token_ids)
 
 
