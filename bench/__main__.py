@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench import cache, engine, radix_match
+from bench import cache, engine, radix_match, tiers, workloads
 from model_worker.engine import DType, resolve_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,10 +45,13 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = str(resolve_dtype(DType(args.dtype), device)).removeprefix("torch.")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     suites: dict[str, tuple[str, Callable[[], list]]] = {  # JSON key: (table title, run)
         "engine": (f"engine ({dtype})", lambda: engine.run(dtype=dtype)),
         "cache": (f"KV cache ({dtype})", lambda: cache.run(dtype)),
+        "tiers": (f"disk tier L3 ({dtype})", lambda: tiers.run(dtype)),
         "radix_match": ("radix index, in process", radix_match.run),
+        "workloads": ("serving workloads: cache on vs --disable-radix-cache", lambda: workloads.run(RESULTS / stamp)),
     }
     results, tables = {}, []
     for key, (title, run) in suites.items():
@@ -58,7 +61,6 @@ def main() -> None:
         print(tables[-1], f"\n({title}: {time.monotonic() - started:.0f} s)\n", flush=True)
         results[key] = [asdict(r) | {"ratio": ratio(r)} for r in rows]
     RESULTS.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__}
     (RESULTS / f"{stamp}.json").write_text(json.dumps(
         {"machine": machine, "config": vars(args) | {"dtype_resolved": dtype}, "results": results}, indent=2))

@@ -1,0 +1,265 @@
+"""The disk tier (L3), measured end to end and in its parts (issue: tiers benchmark). Same run, same dtype throughout.
+
+- ttft: time to first token of a ~2,000-token prompt whose first 1,900 tokens exist only in L3 (worker A computed
+  them, kvcached flushed them to disk and restarted, worker B never saw them; router policy wait_complete), against
+  a fresh prompt with the radix cache off. Through the real stack on loopback:
+
+      router_warm ───────► worker_a ──┐
+      router_<policy> ───► worker_b ──┼──► kvcached (L2 in shared memory, L3 in LMDB; restarted: L2 empty)
+      router_off ────────► worker_b   │    (--disable-radix-cache: cold)
+
+- prefetch: the prefetch path (`DiskTier.read_into` per block into a `SlabPool` slot, as kvcached/prefetch.py does)
+  against one sequential read of data.mdb and against raw `txn.get` + copy without the checksum, in process.
+- mixed: a closed loop (4 in flight) of prompts whose prefix is only in L3 and fresh prompts, under each prefetch
+  policy, with kvcached's `--l3-read-delay-ms` emulating a slow disk. The L3 prefixes are committed straight to
+  kvcached (AllocateSlots + CommitBlocks) instead of computed by a worker: TTFT does not depend on the KV values, and
+  computing 24 prefixes would take minutes here. Each policy gets its own prefixes, all flushed to L3 before one
+  restart, so each policy finds its prefixes in L3 only (the same as a restart per policy, without its cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import signal
+import subprocess
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import lmdb
+import torch
+
+from bench.cache import LAYERS, HEAD_DIM, KV_HEADS, PAGE, _check, _generate, _ids, _median_s, _p99
+from bench.radix_match import Row
+from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
+from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier
+from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.stack import REPO, Processes, router_stub
+
+POLICIES = ("wait_complete", "timeout", "best_effort")
+# Room for every block of the run in both tiers, so neither evicts a prefix the run still needs.
+KVCACHED_ARGS = ["--host-cache-size-gb", "1.5", "--disk-cache-size-gb", "3"]
+READ_DELAY_MS = 10  # per L3 block in the mixed run: a 38-page prefix loads in ~0.4 s, twice the timeout policy's wait
+
+
+def run(dtype: str) -> list[Row]:
+    log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-tiers-"))
+    try:
+        rows = [*prefetch_bandwidth(dtype, log_dir), *through_the_stack(log_dir)]
+    except BaseException as e:
+        e.add_note(f"process logs: {log_dir}")
+        raise
+    shutil.rmtree(log_dir)
+    return rows
+
+
+# -- 1. L3 -> L2 prefetch bandwidth ------------------------------------------------------------------------------
+def prefetch_bandwidth(dtype: str, log_dir: Path, blocks: int = 120, reps: int = 7) -> list[Row]:
+    block_bytes = LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    total = blocks * block_bytes
+    path = log_dir / "bench-l3"
+    rng = random.Random(0)
+    keys = [rng.randbytes(16) for _ in range(blocks)]  # prompt order; LMDB stores them in key (random) order
+    shm = SlabPool.create(new_segment_name(), block_bytes, blocks)
+    try:
+        views = [shm.view(slot) for slot in range(blocks)]
+        with DiskTier(path, 4 * total) as disk:
+            for key in keys:
+                disk.put_async("bench", key, ROOT_PARENT, rng.randbytes(block_bytes))
+            disk.flush()
+
+            def prefetch_loop() -> None:  # what Prefetcher._read does for each page of a prefetch, in turn
+                for key, view in zip(keys, views):
+                    if not disk.read_into(key, view):
+                        raise AssertionError("a stored block missed")
+
+            ours = total / _median_s(prefetch_loop, reps) / 1e9
+        # NOTE: LMDB forbids opening one environment twice in a process: the tier is closed before this.
+        with lmdb.open(str(path), readonly=True, lock=False) as env:
+            def raw_loop() -> None:
+                for key, view in zip(keys, views):
+                    with env.begin(buffers=True) as txn:
+                        value = txn.get(key)
+                        view[:] = value[len(value) - block_bytes:]
+
+            raw = total / _median_s(raw_loop, reps) / 1e9
+        out = shm.buffer[:total]
+        with open(path / "data.mdb", "rb", buffering=0) as f:
+            def file_read() -> None:
+                f.seek(0)
+                if f.readinto(out) != total:
+                    raise AssertionError("data.mdb is shorter than the blocks it holds")
+
+            sequential = total / _median_s(file_read, reps) / 1e9
+        del views, out
+    finally:
+        shm.unlink()
+        try:
+            shm.close()
+        except BufferError:  # a view still alive (an exception's frame): the mapping goes with the process
+            pass
+    what = f"L3->L2, {blocks} blocks x {block_bytes:,} B ({dtype}), page cache warm (nothing dropped)"
+    prefetch = "prefetch path (DiskTier.read_into per block, checksum verified, into SlabPool slots)"
+    return [Row(f"{what}: {prefetch} vs one sequential read of data.mdb", ours, sequential, "GB/s", ">= 0.7x"),
+            Row(f"{what}: {prefetch} vs raw txn.get + copy per block, no checksum", ours, raw, "GB/s",
+                "(diagnosis)")]
+
+
+# -- 2 and 3. through the stack ----------------------------------------------------------------------------------
+def through_the_stack(log_dir: Path) -> list[Row]:
+    processes = Processes(log_dir)
+    try:
+        kvcached = processes.kvcached(args=KVCACHED_ARGS)
+        worker_a, worker_b = processes.worker(kvcached, "worker_a"), processes.worker(kvcached, "worker_b")
+        routers = {"warm": processes.router([worker_a], kvcached, "router_warm"),
+                   "off": processes.router([worker_b], kvcached, "router_off", ["--disable-radix-cache"])}
+        for policy in POLICIES:
+            routers[policy] = processes.router([worker_b], kvcached, f"router_{policy}",
+                                               ["--prefetch-policy", policy, "--prefetch-timeout-ms", "200"])
+        fingerprint = router_stub(routers["warm"]).ListModels(router_pb2.ListModelsRequest(),
+                                                              timeout=10).models[0].fingerprint
+        rng = random.Random(0)
+        for router in routers.values():  # first-request costs (lazy init, allocator) off the clock
+            _generate(router, _ids(rng, 64))
+        rows = ttft(processes, kvcached, routers, rng)
+        rows += mixed(processes, kvcached, fingerprint, routers, rng)
+    finally:
+        processes.stop()
+        cleanup_stale_segments(SEGMENT_PREFIX)  # only a daemon killed past its grace leaves one
+    return rows
+
+
+def _stats(kvcached: str) -> kvcached_pb2.KVCacheStats:
+    with grpc.insecure_channel(kvcached) as channel:
+        return kvcached_pb2_grpc.KVCacheStub(channel).GetStats(kvcached_pb2.GetStatsRequest(), timeout=5)
+
+
+def _wait(what: str, condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def _restart(processes: Processes, kvcached: str, args: list[str] = ()) -> None:
+    """SIGTERM kvcached (it flushes L3), start a new one on the same port and disk (its L2 starts empty), then wait
+    for the workers' heartbeat to re-register their namespace. As tests/test_e2e_l3.py does."""
+    daemon = next(p for p in processes.stack.processes if p.args[2] == "kvcached")
+    daemon.send_signal(signal.SIGTERM)
+    if daemon.wait(60) != 0:
+        raise RuntimeError(f"kvcached exited with {daemon.returncode} on SIGTERM")
+    processes.stack.processes.remove(daemon)
+    disk = ["--disk-cache-path", str(processes.log_dir / "kvcached-l3")]  # Processes.kvcached()'s path
+    with open(processes.log_dir / "kvcached.log", "ab") as log:
+        processes.stack.start("kvcached", int(kvcached.rsplit(":", 1)[1]), [
+            "--metrics-port", "0", *disk, *KVCACHED_ARGS, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    _wait("workers re-registered", lambda: len(_stats(kvcached).namespaces) == 1)
+
+
+def ttft(processes: Processes, kvcached: str, routers: dict[str, str], rng: random.Random, reps: int = 3,
+         prompt_tokens: int = 2000, prefix_tokens: int = 1900) -> list[Row]:
+    prefix_pages = prefix_tokens // PAGE
+    prompts = [_ids(rng, prompt_tokens) for _ in range(reps)]
+    on_disk = _stats(kvcached).disk.blocks
+    for prompt in prompts:  # worker A computes each prefix; write_through queues its blocks for L3 at once
+        _generate(routers["warm"], prompt[:prefix_tokens])
+    _wait("prefixes in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + reps * prefix_pages)
+    _restart(processes, kvcached)
+    cold, l3, waits = [], [], []
+    for rep, prompt in enumerate(prompts):
+        hit = _generate(routers["wait_complete"], prompt)  # worker B, L2 empty: every prefix page comes from L3
+        _check("L3 hit", hit.usage.cached_tokens_l3 >= prefix_pages * PAGE, hit)
+        fresh = _generate(routers["off"], _ids(rng, prompt_tokens))
+        _check("cold", fresh.usage.cached_tokens == 0, fresh)
+        cold.append(fresh.timings.ttft_ms)
+        l3.append(hit.timings.ttft_ms)
+        waits.append(hit.timings.prefetch_wait_ms)
+        print(f"tiers ttft rep {rep}: cold {cold[-1]:.0f} ms (prefill {fresh.timings.prefill_ms:.0f}), L3 hit "
+              f"{l3[-1]:.0f} ms ({hit.usage.cached_tokens_l3} tokens from L3, prefetch wait {waits[-1]:.0f}, "
+              f"prefill {hit.timings.prefill_ms:.0f})", flush=True)
+    what = f"TTFT {prompt_tokens}-token prompt, {prefix_pages * PAGE} only in L3 (kvcached restarted, other worker, " \
+           f"wait_complete)"
+    return [Row(f"{what} vs cold, median of {reps}", statistics.median(l3), statistics.median(cold), "ms",
+                "<= 0.25x cold"),
+            Row(f"{what}: prefetch wait of it, median of {reps}", statistics.median(waits), None, "ms", "(context)")]
+
+
+def _commit(stub: kvcached_pb2_grpc.KVCacheStub, fingerprint: str, token_ids: list[int]) -> int:
+    """Caches the full pages of `token_ids` in kvcached as a worker would, without computing them; returns how many."""
+    pages = len(token_ids) // PAGE
+    allocation = stub.AllocateSlots(kvcached_pb2.AllocateSlotsRequest(model_fingerprint=fingerprint, count=pages),
+                                    timeout=10)
+    if len(allocation.slots) != pages:
+        raise RuntimeError(f"kvcached's L2 pool gave {len(allocation.slots)} of {pages} slots")
+    return stub.CommitBlocks(kvcached_pb2.CommitBlocksRequest(
+        model_fingerprint=fingerprint, token_ids=token_ids, first_page=0, slots=allocation.slots,
+        allocation_id=allocation.allocation_id), timeout=10).inserted
+
+
+async def _closed_loop(router: str, prompts: list[tuple[str, list[int]]], concurrency: int, max_new_tokens: int
+                       ) -> tuple[list[tuple[str, router_pb2.GenerateResponse]], float]:
+    """Sends every prompt with `concurrency` in flight; (kind, final response) per prompt and the wall time."""
+    queue = iter(prompts)
+    done: list[tuple[str, router_pb2.GenerateResponse]] = []
+    sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def client() -> None:
+            for kind, token_ids in queue:
+                call = stub.Generate(router_pb2.GenerateRequest(token_ids=token_ids, sampling=sampling), timeout=600)
+                async for last in call:
+                    pass
+                done.append((kind, last))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return done, time.perf_counter() - started
+
+
+def mixed(processes: Processes, kvcached: str, fingerprint: str, routers: dict[str, str], rng: random.Random,
+          requests: int = 16, concurrency: int = 4, prefix_tokens: int = 608, suffix_tokens: int = 32,
+          fresh_tokens: int = 256, max_new_tokens: int = 8) -> list[Row]:
+    prefixes = {policy: [_ids(rng, prefix_tokens) for _ in range(requests // 2)] for policy in POLICIES}
+    with grpc.insecure_channel(kvcached) as channel:
+        stub = kvcached_pb2_grpc.KVCacheStub(channel)
+        for prefix in (p for ps in prefixes.values() for p in ps):
+            on_disk = _stats(kvcached).disk.blocks
+            inserted = _commit(stub, fingerprint, prefix)
+            # one prefix at a time: the L3 write queue (256 MB) would drop blocks queued faster than LMDB writes
+            _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + inserted)
+    _restart(processes, kvcached, ["--l3-read-delay-ms", str(READ_DELAY_MS)])
+    rows, baseline = [], {}
+    for policy in POLICIES:
+        prompts = []
+        for prefix in prefixes[policy]:  # alternating: an L3 prompt, a fresh one
+            prompts += [("l3", prefix + _ids(rng, suffix_tokens)), ("fresh", _ids(rng, fresh_tokens))]
+        done, wall_s = asyncio.run(_closed_loop(routers[policy], prompts, concurrency, max_new_tokens))
+        ttfts = {kind: [r.timings.ttft_ms for k, r in done if k == kind] for kind in ("l3", "fresh")}
+        from_l3 = [r.usage.cached_tokens_l3 for k, r in done if k == "l3"]
+        if policy == "wait_complete" and min(from_l3) < prefix_tokens:
+            raise AssertionError(f"wait_complete served only {min(from_l3)} of {prefix_tokens} prefix tokens from L3")
+        waits = [r.timings.prefetch_wait_ms for k, r in done if k == "l3"]
+        print(f"tiers mixed {policy}: {wall_s:.1f} s, L3 prompts: mean {statistics.mean(from_l3):.0f} tokens from L3, "
+              f"mean prefetch wait {statistics.mean(waits):.0f} ms; TTFT ms l3 {sorted(ttfts['l3'])}, "
+              f"fresh {sorted(ttfts['fresh'])}", flush=True)
+        p99 = f"P99 (of {requests // 2}: the max)" if requests // 2 < 100 else "P99"
+        results = {("fresh", p99): _p99(ttfts["fresh"]), ("fresh", "mean"): statistics.mean(ttfts["fresh"]),
+                   ("l3", p99): _p99(ttfts["l3"]), ("l3", "mean"): statistics.mean(ttfts["l3"]),
+                   ("throughput", ""): len(done) / wall_s}
+        baseline = baseline or results
+        what = (f"mixed, {concurrency} in flight, {requests // 2} L3-prefix ({prefix_tokens}+{suffix_tokens}) + "
+                f"{requests // 2} fresh ({fresh_tokens}) prompts, L3 read delay {READ_DELAY_MS} ms/block, {policy}")
+        versus = "" if policy == "wait_complete" else " vs wait_complete"
+        for (kind, stat), value in results.items():
+            goal = "< 1x" if (kind, stat) == ("fresh", p99) and versus else ""
+            name = {"fresh": f"TTFT {stat} of fresh prompts", "l3": f"TTFT {stat} of L3-prefix prompts",
+                    "throughput": "throughput"}[kind]
+            rows.append(Row(f"{what}: {name}{versus}", value, baseline[kind, stat] if versus else None,
+                            "req/s" if kind == "throughput" else "ms", goal))
+    return rows
