@@ -101,8 +101,14 @@ class KVCacheClient:
         self._jobs.put(("commit", functools.partial(self._commit, job), job.on_done))
 
     def close(self) -> None:
+        """Sends what is queued, stops the thread and unmaps the pool (the engine must be stopped first)."""
         self._jobs.put(None)
         self._thread.join()
+        with self._attach_lock:
+            if self._attached is not None:
+                self._retired.append(self._attached)
+                self._attached = None
+            self._close_retired()
 
     # -- client thread -----------------------------------------------------------------------------------------
     def register(self) -> bool:
