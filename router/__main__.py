@@ -20,7 +20,7 @@ log = logging.getLogger("router")
 
 async def run(config: RouterConfig) -> None:
     workers = await asyncio.gather(*(connect_worker(a, config.worker_wait_s) for a in config.worker))
-    pool = WorkerPool(list(workers))
+    pool = WorkerPool(list(workers), config.cache_aware_load_slack)
     model = pool.model
     tokenizer = PromptTokenizer(workers[0].info.model_path)
     limits = Limits(vocab_size=model.vocab_size, max_context=model.max_context,

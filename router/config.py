@@ -32,6 +32,8 @@ class RouterConfig:
     prefetch_policy: PrefetchPolicy = setting(PrefetchPolicy.TIMEOUT, "when a request with disk-tier pages runs")
     prefetch_timeout_ms: int = setting(200, "the timeout policy's wait: about one 128-token prefill chunk here")
     disable_radix_cache: bool = setting(False, "never reuse or cache prefixes, in kvcached or worker L1 (A/B runs)")
+    cache_aware_load_slack: int = setting(2, "a worker likely holding the prompt's prefix wins while it has at most "
+                                             "this many more requests in flight than the least loaded")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
     max_stop_strings: int = setting(16, "most stop strings per request; each is checked on every decoded token")
@@ -45,5 +47,7 @@ class RouterConfig:
             raise ValueError("--prefetch-timeout-ms must not be negative")
         if self.kvcached_timeout_ms < 1 or self.lease_ttl_ms < 1:
             raise ValueError("--kvcached-timeout-ms and --lease-ttl-ms must be positive")
+        if self.cache_aware_load_slack < 0:
+            raise ValueError("--cache-aware-load-slack must not be negative")
         if self.max_new_tokens_limit < 1 or self.max_input_chars < 1:
             raise ValueError("--max-new-tokens-limit and --max-input-chars must be positive")

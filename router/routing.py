@@ -5,15 +5,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
 
+from kvcached.keys import BlockHash
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.routing")
+
+
+class PrefixMemory:
+    """The block keys of prompts recently sent to one worker: an approximation of what its L1 holds.
+
+    Bounded LRU of keys. Keys are chained, so the prefix a worker holds is the run of leading keys present.
+    """
+
+    def __init__(self, capacity: int):
+        self._keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self._capacity = capacity
+
+    def matched(self, hashes: Sequence[BlockHash]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self._keys:
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence[BlockHash]) -> None:
+        for key in hashes:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
 
 
 @dataclass(eq=False)
@@ -21,6 +47,7 @@ class WorkerHandle:
     address: str
     stub: worker_pb2_grpc.WorkerStub
     info: worker_pb2.WorkerInfo
+    memory: PrefixMemory
     in_flight: int = field(default=0)
 
 
@@ -32,7 +59,7 @@ async def connect_worker(address: str, wait_s: float) -> WorkerHandle:
     while True:
         try:
             info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5, wait_for_ready=True)
-            return WorkerHandle(address, stub, info)
+            return WorkerHandle(address, stub, info, PrefixMemory(info.kv_pages_total))  # as many as its L1 holds
         except grpc.aio.AioRpcError as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {address} did not come up within {wait_s:.0f} s: {e.details()}") from e
@@ -40,27 +67,36 @@ async def connect_worker(address: str, wait_s: float) -> WorkerHandle:
 
 
 class WorkerPool:
-    """Least-loaded choice over workers serving one model; ties go to the earliest listed worker."""
+    """Cache-aware, load-aware choice over workers serving one model.
 
-    def __init__(self, workers: list[WorkerHandle]):
+    Among the workers whose load is within `load_slack` requests of the least loaded, the one that most likely holds
+    the longest prefix of the prompt in its L1 wins (its `PrefixMemory`); then the least loaded; then the earliest
+    listed. Without block keys (cache off) it is plain least-loaded.
+    """
+
+    def __init__(self, workers: list[WorkerHandle], load_slack: int):
         fingerprints = {w.info.model.fingerprint for w in workers}
         if len(fingerprints) != 1:
             raise ValueError(f"workers serve different models: {sorted(fingerprints)}")
         self.workers = workers
+        self._load_slack = load_slack
 
     @property
     def model(self):
         return self.workers[0].info.model
 
+    def choose(self, hashes: Sequence[BlockHash]) -> WorkerHandle:
+        least = min(w.in_flight for w in self.workers)
+        candidates = [w for w in self.workers if w.in_flight <= least + self._load_slack]
+        return max(candidates, key=lambda w: (w.memory.matched(hashes), -w.in_flight))
+
     @contextmanager
-    def pick(self) -> Iterator[WorkerHandle]:
-        """The worker with the fewest requests in flight, counted as busy while the context is open."""
-        worker = min(self.workers, key=lambda w: w.in_flight)
+    def pick(self, hashes: Sequence[BlockHash] = ()) -> Iterator[WorkerHandle]:
+        """`choose(hashes)`, counted as busy while the context is open and remembered to hold `hashes`."""
+        worker = self.choose(hashes)
+        worker.memory.remember(hashes)
         worker.in_flight += 1
         try:
             yield worker
         finally:
             worker.in_flight -= 1
-
-    def in_flight(self) -> int:
-        return sum(w.in_flight for w in self.workers)

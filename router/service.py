@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvcached.keys import BlockHash, block_hashes, namespace_key
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics
@@ -44,7 +45,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                    cache_salt=request.cache_salt, disable_cache=self._matcher is None,
                                                    l2_lease=reuse.lease)
         run = _Run(request_id, len(ids), started, reuse, self._pool.model.page_size)
-        with self._pool.pick() as worker:
+        with self._pool.pick(self._block_keys(ids, request.cache_salt)) as worker:
             call = worker.stub.Generate(forward, timeout=context.time_remaining())
             try:
                 async for out in _worker_outputs(call, worker.address):
@@ -55,6 +56,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 call.cancel()
                 run.close()
         metrics.requests.labels(outcome=run.finish_reason or "abort").inc()
+
+    def _block_keys(self, ids: list[int], cache_salt: str) -> list[BlockHash]:
+        """The prompt's block keys, for cache-aware routing; none when the cache is off."""
+        if self._matcher is None:
+            return []
+        model = self._pool.model
+        return block_hashes(namespace_key(model.fingerprint, cache_salt), ids, model.page_size)
 
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
         return router_pb2.TokenizeResponse(token_ids=prompt_ids(request, self._tokenizer, self._limits))

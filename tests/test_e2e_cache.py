@@ -27,7 +27,8 @@ SENTENCES = ["The river bends twice before it reaches the old mill.", "Every lam
 
 
 def document(seed: int, sentences: int = 40) -> str:
-    return " ".join(SENTENCES[(seed * 7 + i * (seed + 1)) % len(SENTENCES)] for i in range(sentences))
+    """A distinct document per seed: the record number comes first, so no two seeds share a cached page."""
+    return f"Record {seed}. " + " ".join(SENTENCES[(seed * 7 + i * (seed + 1)) % len(SENTENCES)] for i in range(sentences))
 
 
 def ask(doc: str, question: str) -> list[router_pb2.ChatMessage]:
@@ -62,7 +63,8 @@ def cluster(tmp_path_factory):
         worker_b = processes.worker(kvcached, "worker_b")
         routers = {"a": processes.router([worker_a], kvcached, "router_a"),
                    "b": processes.router([worker_b], kvcached, "router_b"),
-                   "off": processes.router([worker_a], kvcached, "router_off", ["--disable-radix-cache"])}
+                   "off": processes.router([worker_a], kvcached, "router_off", ["--disable-radix-cache"]),
+                   "both": processes.router([worker_b, worker_a], kvcached, "router_both")}
         yield processes, kvcached, routers
     finally:
         processes.stop()
@@ -93,6 +95,20 @@ def test_prefix_computed_by_worker_a_is_reused_by_worker_b(cluster):
     assert on_b.usage.cached_tokens_l2 >= 0.9 * (prompt_pages - 1) * PAGE
     assert on_b.usage.cached_tokens_l1 == 0
     assert list(on_b.token_ids) == list(on_a.token_ids)
+
+
+def test_router_sends_a_prompt_to_the_worker_that_holds_its_prefix(cluster):
+    _, _, routers = cluster
+    long_run = router_pb2.GenerateRequest(messages=ask(document(30), "Count the boats."), stream=True,
+                                          sampling=router_pb2.SamplingParams(temperature=0, max_new_tokens=40))
+    busy = router_stub(routers["both"]).Generate(long_run, timeout=120)
+    next(busy)  # worker_b (listed first) is now busy with it
+    first = generate(routers["both"], ask(document(31), "Who keeps the ledger?"))  # least loaded: worker_a
+    for _ in busy:
+        pass
+    follow_up = generate(routers["both"], ask(document(31), "What was lit?"))  # both idle: worker_a holds it
+    assert first.usage.cached_tokens == 0
+    assert follow_up.usage.cached_tokens_l1 > 0 and follow_up.usage.cached_tokens_l2 == 0
 
 
 def test_kill_9_kvcached_mid_stream_then_restart_brings_hits_back(cluster):
