@@ -30,6 +30,7 @@ import torch
 from model_worker.attention import Chunk, select_backend
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import LAYOUT, KVPool, pages_for_budget
+from model_worker.block_copy import HostBlockCopy, block_copy_for
 from model_worker.kvcache_client import KVCacheClient
 from model_worker.loader import weights_digest
 from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
@@ -172,21 +173,22 @@ class Engine:
         self._eos = frozenset(self.info.eos_token_ids)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        self.kvcache = self._kvcache_client(config) if config.kvcached else None
-        self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock)
+        block_copy = block_copy_for(self.device)
+        self.kvcache = self._kvcache_client(config, block_copy) if config.kvcached else None
+        self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock, block_copy)
         self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)
         self._thread: threading.Thread | None = None
         self._stopping = False
         log.info("engine ready: %s dtype=%s pages=%d x %d tokens", self.info.name, self.info.dtype, num_pages,
                  config.page_size)
 
-    def _kvcache_client(self, config: EngineConfig) -> KVCacheClient:
+    def _kvcache_client(self, config: EngineConfig, block_copy: HostBlockCopy) -> KVCacheClient:
         shape = self.model.shape
         geometry = kvcached_pb2.BlockGeometry(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                                               head_dim=shape.head_dim, page_size=config.page_size,
                                               dtype=self.info.dtype, layout=LAYOUT)
         return KVCacheClient(config.kvcached, self.info.fingerprint, geometry, self.pool.kv,
-                             config.kvcached_timeout_s, self.pool.copy_block)
+                             config.kvcached_timeout_s, block_copy)
 
     def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
         shape = self.model.shape

@@ -26,6 +26,7 @@ import torch
 from prometheus_client import Counter
 
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SHM_DIR, SlabPool
+from model_worker.block_copy import HostBlockCopy
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc
 
 log = logging.getLogger("model_worker.kvcache_client")
@@ -57,9 +58,9 @@ class _Attached:
 
 class KVCacheClient:
     def __init__(self, address: str, fingerprint: str, geometry: kvcached_pb2.BlockGeometry, l1_kv: torch.Tensor,
-                 timeout_s: float, copy_block: Callable[[torch.Tensor, torch.Tensor], None]):
-        """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`, moved by `copy_block`."""
-        self._copy_block = copy_block
+                 timeout_s: float, block_copy: HostBlockCopy):
+        """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`, moved by `block_copy`."""
+        self._block_copy = block_copy
         self._stub = kvcached_pb2_grpc.KVCacheStub(grpc.insecure_channel(address))
         self._address = address
         self._fingerprint = fingerprint
@@ -136,6 +137,7 @@ class KVCacheClient:
                 return self._attached
             pool = SlabPool.attach(segment_name, self._block_bytes, num_slots)
             slots = torch.frombuffer(pool.buffer, dtype=self._l1_kv.dtype).view(num_slots, *self._l1_kv.shape[1:])
+            self._block_copy.pin(slots)
             if self._attached is not None:
                 self._retired.append(self._attached)
             self._attached = _Attached(segment_name, pool, slots)
@@ -146,6 +148,8 @@ class KVCacheClient:
         """Unmaps pools of a previous kvcached (their memory is freed only once unmapped). A copy still reading
         one keeps it mapped until a later call."""
         for old in list(self._retired):
+            if old.slots is not None:
+                self._block_copy.unpin(old.slots)
             old.slots = None
             try:
                 old.pool.close()
@@ -180,7 +184,8 @@ class KVCacheClient:
         allocation = self._stub.AllocateSlots(kvcached_pb2.AllocateSlotsRequest(
             model_fingerprint=self._fingerprint, count=len(job.l1_pages)), timeout=self._timeout_s)
         for slot, page in zip(allocation.slots, job.l1_pages):
-            self._copy_block(slots_view[slot], self._l1_kv[page])
+            self._block_copy.copy(slots_view[slot], self._l1_kv[page])
+        self._block_copy.drain()
         result = self._stub.CommitBlocks(kvcached_pb2.CommitBlocksRequest(
             model_fingerprint=self._fingerprint, cache_salt=job.cache_salt, token_ids=job.token_ids,
             first_page=job.first_page, slots=allocation.slots, allocation_id=allocation.allocation_id),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from kvcached.keys import BlockHash, block_hashes, namespace_key
 from kvcached.radix import Lease, RadixIndex
+from model_worker.block_copy import HostBlockCopy
 from model_worker.kv_pool import KVPool
 from model_worker.kvcache_client import CommitJob, KVCacheClient
 
@@ -56,8 +57,10 @@ class CacheState:
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, fingerprint: str, client: KVCacheClient | None, lock: threading.RLock):
+    def __init__(self, pool: KVPool, fingerprint: str, client: KVCacheClient | None, lock: threading.RLock,
+                 block_copy: HostBlockCopy):
         """`lock` is the engine lock: commit completions arrive on the client thread and take it."""
+        self._block_copy = block_copy
         self._pool = pool
         self._fingerprint = fingerprint
         self._client = client
@@ -117,7 +120,8 @@ class PrefixCache:
         self.make_room(len(slots))
         pages = self._pool.allocate(len(slots))
         for page, slot in zip(pages, slots):
-            self._pool.copy_block(self._pool.kv[page], blocks[slot])
+            self._block_copy.copy(self._pool.kv[page], blocks[slot])
+        self._block_copy.fence()
         return pages
 
     def _release_l2(self, state: CacheState) -> None:
