@@ -8,6 +8,7 @@ import logging
 from model_worker.config import WorkerConfig
 from model_worker.engine import Engine, EngineConfig
 from model_worker.loader import resolve_model
+from model_worker.metrics import watch_engine
 from model_worker.service import WorkerServicer
 from radixserve.config import parse_config
 from radixserve.server import ServiceSpec, serve, setup_logging
@@ -29,6 +30,7 @@ async def run(config: WorkerConfig) -> None:
     log.info("model loaded", extra={"model": engine.info.name, "dtype": engine.info.dtype,
                                     "fingerprint": engine.info.fingerprint})
     engine.start()
+    watch_engine(engine)
     servicer = WorkerServicer(engine, str(model_dir), config.max_running_requests)
     try:
         await serve("worker", config.host, config.port, config.metrics_port,

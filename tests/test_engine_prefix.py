@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from model_worker.engine import Engine, RequestOutput
+from model_worker.metrics import EngineCollector
 from model_worker.prefix_cache import CacheRequest
 from tests.test_engine_tiny import GREEDY, make_engine, run_until_idle
 
@@ -80,3 +82,12 @@ def test_abort_keeps_the_computed_prefix_cached(engine):
     engine.check_integrity()
     assert outputs[-1].finish_reason == "abort"
     assert run(engine, "b", PROMPT_B)[-1].cached_tokens_l1 == 28
+
+
+def test_engine_metrics_report_the_pool(engine):
+    run(engine, "a", PROMPT_A)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    text = generate_latest(registry).decode()
+    assert "radixserve_worker_l1_pages_cached 11.0" in text and "radixserve_worker_running_requests 0.0" in text
+    assert "radixserve_worker_l1_pages_total 64.0" in text

@@ -1,0 +1,27 @@
+"""The worker's Prometheus metrics: its load and L1 pool, read from the engine at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+
+from model_worker.engine import Engine
+
+
+class EngineCollector:
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def collect(self):
+        load = self._engine.load()
+        for name, doc, value in (
+                ("radixserve_worker_running_requests", "Requests in the running batch", load.running),
+                ("radixserve_worker_waiting_requests", "Requests queued in the worker", load.waiting),
+                ("radixserve_worker_l1_pages_used", "L1 KV pages held by requests or the prefix cache", load.pages_used),
+                ("radixserve_worker_l1_pages_cached", "L1 KV pages in the prefix cache", load.pages_cached),
+                ("radixserve_worker_l1_pages_total", "L1 KV pages", load.pages_total)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+def watch_engine(engine: Engine) -> None:
+    REGISTRY.register(EngineCollector(engine))
