@@ -33,7 +33,7 @@ import grpc
 import lmdb
 import torch
 
-from bench.cache import LAYERS, HEAD_DIM, KV_HEADS, PAGE, _check, _generate, _ids, _median_s, _p99
+from bench.cache import LAYERS, HEAD_DIM, KV_HEADS, PAGE, _check, _generate, _ids, _median_s, _p99, release
 from bench.radix_match import Row
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
 from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier
@@ -97,11 +97,7 @@ def prefetch_bandwidth(dtype: str, log_dir: Path, blocks: int = 120, reps: int =
             sequential = total / _median_s(file_read, reps) / 1e9
         del views, out
     finally:
-        shm.unlink()
-        try:
-            shm.close()
-        except BufferError:  # a view still alive (an exception's frame): the mapping goes with the process
-            pass
+        release(shm)
     what = f"L3->L2, {blocks} blocks x {block_bytes:,} B ({dtype}), page cache warm (nothing dropped)"
     prefetch = "prefetch path (DiskTier.read_into per block, checksum verified, into SlabPool slots)"
     return [Row(f"{what}: {prefetch} vs one sequential read of data.mdb", ours, sequential, "GB/s", ">= 0.7x"),
