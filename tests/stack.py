@@ -50,6 +50,11 @@ class Processes:
         worker_flags = [flag for w in workers for flag in ("--worker", w)]
         return self.start("router", name, [*worker_flags, "--kvcached", kvcached, *args])
 
+    def kvcached_and_two_workers(self) -> tuple[str, str, str]:
+        """kvcached, then worker_a and worker_b sharing it: the addresses, in that order."""
+        kvcached = self.kvcached()
+        return kvcached, self.worker(kvcached, "worker_a"), self.worker(kvcached, "worker_b")
+
     def stop(self) -> None:
         self.stack.stop()
 

@@ -58,9 +58,7 @@ def segments_of(pids: set[int]) -> set[str]:
 def cluster(tmp_path_factory):
     processes = Processes(tmp_path_factory.mktemp("logs"))
     try:
-        kvcached = processes.kvcached()
-        worker_a = processes.worker(kvcached, "worker_a")
-        worker_b = processes.worker(kvcached, "worker_b")
+        kvcached, worker_a, worker_b = processes.kvcached_and_two_workers()
         routers = {"a": processes.router([worker_a], kvcached, "router_a"),
                    "b": processes.router([worker_b], kvcached, "router_b"),
                    "off": processes.router([worker_a], kvcached, "router_off", ["--disable-radix-cache"]),

@@ -51,9 +51,7 @@ def restart_kvcached(processes: Processes, address: str, args: list[str], before
 def cluster(tmp_path_factory):
     processes = Processes(tmp_path_factory.mktemp("logs"))
     try:
-        kvcached = processes.kvcached()
-        worker_a = processes.worker(kvcached, "worker_a")
-        worker_b = processes.worker(kvcached, "worker_b")
+        kvcached, worker_a, worker_b = processes.kvcached_and_two_workers()
         routers = {"warm": processes.router([worker_a], kvcached, "router_warm")}
         for policy in ("wait_complete", "timeout", "best_effort"):
             routers[policy] = processes.router([worker_b], kvcached, f"router_{policy}",
