@@ -12,6 +12,7 @@ query_tokens = Counter("radixserve_kvcached_query_tokens_total", "Full-page toke
 hit_tokens = Counter("radixserve_kvcached_hit_tokens_total", "Tokens MatchPrefix found cached", ["tier"])
 evictions = Counter("radixserve_kvcached_evictions_total", "Blocks evicted", ["tier"])
 leases = Gauge("radixserve_kvcached_leases", "Live leases")
+integrity_failures = Counter("radixserve_kvcached_integrity_failures_total", "Idle integrity checks that failed")
 expired = Counter("radixserve_kvcached_expired_total", "Leases and allocations dropped at their TTL")
 rpc_latency = Histogram("radixserve_kvcached_rpc_seconds", "RPC handling time", ["method"],
                         buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))

@@ -24,6 +24,7 @@ def _rpc(fn):
     @functools.wraps(fn)
     async def wrapper(self: KVCacheServicer, request, context):
         started = time.perf_counter()
+        self.last_rpc_at = time.monotonic()
         metrics.expired.inc(self.cache.expire())
         try:
             result = fn(self, request)
@@ -84,6 +85,7 @@ class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
         self.cache = cache
         self._page_size = page_size
         self._prefetcher = prefetcher
+        self.last_rpc_at = time.monotonic()
 
     @_rpc
     def RegisterNamespace(self, request):

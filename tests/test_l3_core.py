@@ -6,7 +6,9 @@ A real DiskTier (LMDB in tmp_path) and real shared memory; blocks of 256 bytes, 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
+from kvcached.__main__ import check_idle
 from kvcached.cache import KVCache
 from kvcached.l3 import L3, WritePolicy
 from kvcached.tiers.lmdb_tier import DiskTier
@@ -134,3 +136,20 @@ def test_blocks_of_another_model_are_never_matched_and_can_be_dropped(disk, clos
     assert disk.delete_namespace(FP) == 3
     other.l3.refresh()
     assert len(other.l3) == 0
+
+
+def integrity_failures() -> float:
+    return REGISTRY.get_sample_value("radixserve_kvcached_integrity_failures_total")
+
+
+def test_idle_check_counts_and_logs_a_broken_invariant(disk, close_all, caplog):
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH).raw
+    close_all(Checked(cache))
+    before = integrity_failures()
+    check_idle(cache)
+    assert integrity_failures() == before
+    cache.namespace(FP).allocated.add(0)  # a slot no allocation owns
+    check_idle(cache)
+    assert integrity_failures() == before + 1
+    assert "integrity check failed" in caplog.text
+    cache.namespace(FP).allocated.discard(0)
