@@ -11,9 +11,8 @@ from kvcached import metrics
 from kvcached.cache import KVCache
 from kvcached.config import KVCachedConfig
 from kvcached.l3 import L3
-from kvcached.metrics import watch_disk
 from kvcached.prefetch import Prefetcher
-from kvcached.service import KVCacheServicer, refresh_gauges
+from kvcached.service import KVCacheServicer
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
 from kvcached.tiers.lmdb_tier import DiskTier, DiskTierError
 from radixserve.config import parse_config
@@ -28,13 +27,14 @@ IDLE_CHECK_S = 5.0  # quiet this long before the idle integrity check
 
 
 async def housekeeping(cache: KVCache, servicer: KVCacheServicer) -> None:
-    """Between RPCs: drops leases and allocations past their TTL and refreshes the gauges; once the daemon has been
+    """Between RPCs: drops leases and allocations past their TTL and applies the disk tier's events; once it has been
     idle for `IDLE_CHECK_S`, checks the index and pools once (it costs ~45 ms per 100k blocks, so never under load)."""
     checked_at = 0.0
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL_S)
         metrics.expired.inc(cache.expire())
-        refresh_gauges(cache)  # also applies L3 evictions and corrupt-block deletions to the index
+        if cache.l3 is not None:
+            cache.l3.refresh()  # applies L3 evictions and corrupt-block deletions to the index
         idle_since = servicer.last_rpc_at
         if time.monotonic() - idle_since > IDLE_CHECK_S and checked_at < idle_since:
             checked_at = time.monotonic()
@@ -62,7 +62,6 @@ def open_disk(config: KVCachedConfig) -> DiskTier | None:
             raise SystemExit(f"kvcached: cannot open the disk tier: {e} (--disk-cache-optional runs without it)")
         log.error("disk tier unavailable; running with L2 only", extra={"error": str(e)})
         return None
-    watch_disk(disk)
     return disk
 
 
@@ -73,6 +72,7 @@ async def run(config: KVCachedConfig) -> None:
     disk = open_disk(config)
     l3 = L3(disk, config.write_policy) if disk is not None else None
     cache = KVCache(int(config.host_cache_size_gb * (1 << 30)), config.page_size, config.lease_ttl_s, l3=l3)
+    metrics.watch(cache)
     prefetcher = disk and Prefetcher(cache, disk, config.prefetch_threads, config.prefetch_read_timeout_s,
                                      config.prefetch_threshold_tokens, config.page_size, config.recompute_tokens_per_s)
     servicer = KVCacheServicer(cache, config.page_size, prefetcher)

@@ -338,7 +338,7 @@ class KVCache:
         held.namespace.pool.free(list(held.slots))
 
     def leases(self, namespace: Namespace | None = None) -> int:
-        return sum(1 for held in self._held.values()
+        return sum(1 for held in list(self._held.values())  # a snapshot: metrics scrapes run on another thread
                    if held.lease is not None and namespace in (None, held.namespace))
 
     def namespaces(self) -> list[Namespace]:

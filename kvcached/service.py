@@ -20,7 +20,7 @@ _STATUS = ((NotFound, grpc.StatusCode.NOT_FOUND), (Conflict, grpc.StatusCode.FAI
 
 
 def _rpc(fn):
-    """Expires stale holds first, times the call, maps the core's errors to statuses, refreshes the gauges."""
+    """Expires stale holds first, times the call, maps the core's errors to statuses."""
     @functools.wraps(fn)
     async def wrapper(self: KVCacheServicer, request, context):
         started = time.perf_counter()
@@ -33,7 +33,6 @@ def _rpc(fn):
             code = next(c for cls, c in _STATUS if isinstance(e, cls))
             raise ServiceError(code, str(e.args[0])) from None
         finally:
-            refresh_gauges(self.cache)
             metrics.rpc_latency.labels(method=fn.__name__).observe(time.perf_counter() - started)
     return wrapper
 
@@ -57,26 +56,6 @@ def disk_to_pb(cache: KVCache) -> kvcached_pb2.DiskStats:
     disk = cache.l3.disk.stats()
     return kvcached_pb2.DiskStats(enabled=True, healthy=disk.healthy, blocks=disk.blocks, bytes_used=disk.bytes_used,
                                   bytes_total=disk.bytes_total, corrupt_blocks=disk.corrupt_blocks)
-
-
-def refresh_gauges(cache: KVCache) -> None:
-    total = sum(ns.pool.num_slots for ns in cache.namespaces())
-    cached = sum(ns.index.total_pages for ns in cache.namespaces())
-    block_bytes = {ns.fingerprint: ns.geometry.block_bytes for ns in cache.namespaces()}
-    metrics.blocks.labels(tier="l2", state="total").set(total)
-    metrics.blocks.labels(tier="l2", state="cached").set(cached)
-    metrics.bytes_.labels(tier="l2", state="total").set(
-        sum(ns.pool.num_slots * block_bytes[ns.fingerprint] for ns in cache.namespaces()))
-    metrics.bytes_.labels(tier="l2", state="cached").set(
-        sum(ns.index.total_pages * block_bytes[ns.fingerprint] for ns in cache.namespaces()))
-    metrics.leases.set(cache.leases())
-    if cache.l3 is not None:
-        cache.l3.refresh()
-        disk = cache.l3.disk.stats()
-        metrics.blocks.labels(tier="l3", state="cached").set(disk.blocks)
-        metrics.bytes_.labels(tier="l3", state="cached").set(disk.bytes_used)
-        metrics.bytes_.labels(tier="l3", state="total").set(disk.bytes_total)
-        metrics.l3_healthy.set(disk.healthy)
 
 
 class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
