@@ -39,8 +39,10 @@ import numpy as np
 from bench import report
 from bench.radix_match import Row
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
+from model_worker.loader import resolve_model
 from radixserve.v1 import router_pb2, router_pb2_grpc
-from tests.stack import Processes, router_stub
+from router.tokenizer import PromptTokenizer
+from tests.stack import Processes
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,6 +112,11 @@ class Load:
 
 
 # -- workloads ---------------------------------------------------------------------------------------------------
+def corpus_tokens() -> list[int]:
+    """The bundled corpus as the router encodes text for the default model (no stack needed)."""
+    return PromptTokenizer(resolve_model("")).encode_text(CORPUS.read_text())
+
+
 def build(corpus: list[int], sizes: Sizes, seed: int = 0) -> list[Workload]:
     """The four workloads, the same for the same corpus, sizes and seed."""
     rng = random.Random(seed)
@@ -273,7 +280,7 @@ def run(out_prefix: Path, sizes: Sizes = Sizes(), rate: float | None = None, see
     `<out_prefix>-workloads.json` and the plots to `<out_prefix>-workloads.png`. Process logs are kept on failure."""
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-workloads-"))
     try:
-        loads = _measure(log_dir, sizes, rate, seed)
+        loads = measure_stack(log_dir, build(corpus_tokens(), sizes, seed), sizes, rate, seed)
     except BaseException as e:
         e.add_note(f"process logs: {log_dir}")
         raise
@@ -288,17 +295,17 @@ def run(out_prefix: Path, sizes: Sizes = Sizes(), rate: float | None = None, see
     return [row for w in loads["on"] for row in rows(w, loads["off"][w], loads["on"][w])]
 
 
-def _measure(log_dir: Path, sizes: Sizes, rate: float | None, seed: int) -> dict[str, dict[str, Load]]:
-    """{config: {workload: load}} from one stack: kvcached, one worker, a router per configuration."""
+def measure_stack(log_dir: Path, workloads: list[Workload], sizes: Sizes, rate: float | None = None,
+                  seed: int = 0) -> dict[str, dict[str, Load]]:
+    """{config: {workload: load}} from one stack (kvcached, one worker, a router per configuration in `CONFIGS`),
+    every workload run off then on. Process logs go to `log_dir`."""
     processes = Processes(log_dir)
     try:
         kvcached = processes.kvcached(args=["--host-cache-size-gb", "1"])
         worker = processes.worker(kvcached, args=["--l1-cache-size-gb", "1"])
         routers = {"off": processes.router([worker], kvcached, "router_off", ["--disable-radix-cache"]),
                    "on": processes.router([worker], kvcached, "router_on")}
-        corpus = list(router_stub(routers["on"]).Tokenize(
-            router_pb2.TokenizeRequest(text=CORPUS.read_text()), timeout=60).token_ids)
-        return asyncio.run(_all(routers, build(corpus, sizes, seed), sizes, rate, seed))
+        return asyncio.run(_all(routers, workloads, sizes, rate, seed))
     finally:
         processes.stop()
         cleanup_stale_segments(SEGMENT_PREFIX)  # only a daemon killed past its grace leaves one
