@@ -22,10 +22,6 @@ from model_worker.engine import DType, resolve_dtype
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def ratio(row) -> float | None:
-    return row.ours / row.baseline if row.baseline else None
-
-
 def _num(value: float | None) -> str:
     return "" if value is None else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
@@ -33,7 +29,7 @@ def _num(value: float | None) -> str:
 def table(title: str, rows: list) -> str:
     lines = [f"| {title} | ours | baseline | unit | ratio | goal |", "|---|---|---|---|---|---|"]
     lines += [f"| {r.name} | {_num(r.ours)} | {_num(r.baseline)} | {r.unit} | "
-              f"{'' if ratio(r) is None else f'{ratio(r):.2f}x'} | {r.goal} |" for r in rows]
+              f"{'' if r.ratio is None else f'{r.ratio:.2f}x'} | {r.goal} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -59,7 +55,7 @@ def main() -> None:
         rows = run()
         tables.append(table(title, rows))
         print(tables[-1], f"\n({title}: {time.monotonic() - started:.0f} s)\n", flush=True)
-        results[key] = [asdict(r) | {"ratio": ratio(r)} for r in rows]
+        results[key] = [asdict(r) | {"ratio": r.ratio} for r in rows]
     RESULTS.mkdir(exist_ok=True)
     machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__}
     (RESULTS / f"{stamp}.json").write_text(json.dumps(

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.radix_match import Row
+from bench import Row
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
 from model_worker.block_copy import block_copy_for
 from model_worker.kv_pool import KVPool

@@ -9,26 +9,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench import Row
 from model_worker.engine import Engine, EngineConfig, SamplingParams
 from model_worker.loader import resolve_model
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    ours: float
-    baseline: float
-    unit: str
-    goal: str
-
-    @property
-    def ratio(self) -> float:
-        return self.ours / self.baseline
 
 
 def _prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
@@ -69,9 +56,3 @@ def run(dtype: str = "bfloat16", new_tokens: int = 64, prefill_tokens: int = 204
         Row(f"prefill {prefill_tokens} tokens", 1 / prefill, 1 / hf_prefill, "prefills/s",
             "ours >= 1/1.2 of transformers forward"),
     ]
-
-
-def table(rows: list[Row], dtype: str) -> str:
-    lines = [f"| engine benchmark ({dtype}) | ours | baseline | unit | ratio | goal |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.ours:.2f} | {r.baseline:.2f} | {r.unit} | {r.ratio:.2f}x | {r.goal} |" for r in rows]
-    return "\n".join(lines)

@@ -11,29 +11,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from bench import Row
 from kvcached.keys import block_hashes, namespace_key
 from kvcached.radix import RadixIndex
 
 PAGE, PROMPT_TOKENS, INDEX_BLOCKS = 16, 4096, 100_000
 NS = namespace_key("bench-model", "")
 MATCH_GOAL_US = 100
-
-
-@dataclass(frozen=True)
-class Row:
-    """One benchmark result; `baseline` None where there is nothing to compare against in the same run."""
-
-    name: str
-    ours: float
-    baseline: float | None
-    unit: str
-    goal: str
-
-    @property
-    def ratio(self) -> float | None:
-        return self.ours / self.baseline if self.baseline else None
 
 
 def timed_us(fn: Callable[[], object], reps: int) -> tuple[float, float]:

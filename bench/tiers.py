@@ -23,8 +23,8 @@ import asyncio
 import random
 import shutil
 import signal
-import subprocess
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,8 +33,8 @@ import grpc
 import lmdb
 import torch
 
-from bench.cache import LAYERS, HEAD_DIM, KV_HEADS, PAGE, _check, _generate, _ids, _median_s, _p99, release
-from bench.radix_match import Row
+from bench import Row
+from bench.cache import HEAD_DIM, KV_HEADS, LAYERS, PAGE, _check, _generate, _ids, _median_s, _p99, release
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
 from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier
 from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2, router_pb2_grpc

@@ -36,8 +36,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench import report
-from bench.radix_match import Row
+from bench import Row, report
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
 from model_worker.loader import resolve_model
 from radixserve.v1 import router_pb2, router_pb2_grpc
