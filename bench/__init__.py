@@ -2,6 +2,10 @@
 
 from dataclasses import dataclass
 
+import torch
+
+from model_worker.engine import DType, resolve_dtype
+
 
 @dataclass(frozen=True)
 class Row:
@@ -16,3 +20,9 @@ class Row:
     @property
     def ratio(self) -> float | None:
         return self.ours / self.baseline if self.baseline else None
+
+
+def resolved_dtype(name: str = "auto") -> str:
+    """The dtype a worker started with `--dtype name` runs in on this machine, e.g. "float32"."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return str(resolve_dtype(DType(name), device)).removeprefix("torch.")

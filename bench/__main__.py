@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench import cache, engine, radix_match, tiers, workloads
-from model_worker.engine import DType, resolve_dtype
+from bench import cache, engine, radix_match, resolved_dtype, tiers, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -35,19 +34,20 @@ def table(title: str, rows: list) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("suite", choices=["quick"])
+    parser.add_argument("suite", choices=["quick", "full"], help="full: the workloads at the issue's sizes (an hour)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: what the worker's --dtype auto picks on this machine")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = str(resolve_dtype(DType(args.dtype), device)).removeprefix("torch.")
+    dtype = resolved_dtype(args.dtype)
+    sizes = workloads.FULL if args.suite == "full" else workloads.Sizes()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     suites: dict[str, tuple[str, Callable[[], list]]] = {  # JSON key: (table title, run)
         "engine": (f"engine ({dtype})", lambda: engine.run(dtype=dtype)),
         "cache": (f"KV cache ({dtype})", lambda: cache.run(dtype)),
         "tiers": (f"disk tier L3 ({dtype})", lambda: tiers.run(dtype)),
         "radix_match": ("radix index, in process", radix_match.run),
-        "workloads": ("serving workloads: cache on vs --disable-radix-cache", lambda: workloads.run(RESULTS / stamp)),
+        "workloads": ("serving workloads: each configuration vs its baseline (cache on: vs cache off)",
+                      lambda: workloads.run(RESULTS / stamp, sizes, dtype)),
     }
     results, tables = {}, []
     for key, (title, run) in suites.items():

@@ -1,8 +1,8 @@
 """Plots of a workload run (`bench/workloads.py`): `python -m bench.report RESULTS-workloads.json` redraws one.
 
-The input is the run's raw JSON: `{"configs": {config: {workload: {"records": [record, ...]}}}}`, with each record
-carrying at least `turn` and `ttft_ms`. Two panels in one PNG: the mean TTFT of each multi-turn round per
-configuration, and the TTFT CDF of every request per configuration.
+The input is the run's raw JSON: `{"labels": {config: legend}, "configs": {config: {workload: {"records": [record,
+...]}}}}`, with each record carrying at least `turn` and `ttft_ms`. One PNG: the mean TTFT of each multi-turn round
+per configuration, then a TTFT CDF per configuration for each set of configurations that ran the same workloads.
 """
 
 from __future__ import annotations
@@ -15,32 +15,37 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
-LABELS = {"off": "cache off (--disable-radix-cache)", "on": "cache on (L1+L2+L3)"}
 MULTI_TURN = "multi_turn"
 
 
 def plot(raw: dict, path: Path) -> None:
-    """Writes the two panels to `path` (PNG)."""
-    figure, (rounds, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for config, workloads in raw["configs"].items():
-        label = LABELS.get(config, config)
+    """Writes the panels to `path` (PNG)."""
+    labels, configs = raw.get("labels", {}), raw["configs"]
+    groups: dict[tuple[str, ...], list[str]] = {}  # workloads run -> the configurations that ran them
+    for config, workloads in configs.items():
+        groups.setdefault(tuple(sorted(workloads)), []).append(config)
+    figure, (rounds, *cdfs) = plt.subplots(1, 1 + len(groups), figsize=(6 * (1 + len(groups)), 4.5))
+    for config, workloads in configs.items():
         if MULTI_TURN in workloads:
             means = round_means(workloads[MULTI_TURN]["records"])
-            rounds.plot(range(1, len(means) + 1), [m / 1e3 for m in means], marker="o", label=label)
-        ttft = sorted(r["ttft_ms"] / 1e3 for w in workloads.values() for r in w["records"])
-        cdf.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=label)
+            rounds.plot(range(1, len(means) + 1), [m / 1e3 for m in means], marker="o", label=labels.get(config, config))
     rounds.set(title="multi-turn: mean TTFT per round", xlabel="round", ylabel="TTFT (s)")
     rounds.xaxis.get_major_locator().set_params(integer=True)
-    cdf.set(title="TTFT CDF, all workloads", xlabel="TTFT (s)", ylabel="fraction of requests", xscale="log")
-    cdf.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 0.1, not 10^-1
-    for axes in (rounds, cdf):
+    for cdf, (workload_names, members) in zip(cdfs, groups.items()):
+        for config in members:
+            ttft = sorted(r["ttft_ms"] / 1e3 for w in configs[config].values() for r in w["records"])
+            cdf.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=labels.get(config, config))
+        cdf.set(title=f"TTFT CDF: {', '.join(workload_names)}", xlabel="TTFT (s)", ylabel="fraction of requests",
+                xscale="log")
+        cdf.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 0.1, not 10^-1
+    for axes in (rounds, *cdfs):
         axes.grid(alpha=0.3)
-        axes.legend()
+        axes.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
