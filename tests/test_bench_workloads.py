@@ -83,4 +83,4 @@ def test_every_configuration_has_a_known_baseline_running_its_workloads():
     for config in CONFIGS:
         if config.baseline:
             assert set(config.workloads) <= set(names[config.baseline].workloads)
-    assert set(FLOOR.workloads) == set(MAIN_WORKLOADS) == set(names["on"].workloads)
+    assert set(FLOOR.workloads) <= set(MAIN_WORKLOADS) == set(names["on"].workloads)
