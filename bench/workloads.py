@@ -80,9 +80,9 @@ class Sizes:
     random_prompts: int = 8
     random_tokens: int = 256
     no_reuse_repeats: int = 2
-    revisit_documents: int = 6  # ~6,400 tokens: twice the tight L2, five times the tight L1's room beside 2 requests
+    revisit_documents: int = 5  # ~5,200 tokens: 1.5x the tight L2, 8x the tight L1's room beside 2 requests
     revisit_tokens: int = 1024
-    revisit_passes: int = 3
+    revisit_passes: int = 2
     answer_tokens: int = 16  # long enough for inter-token latency, short enough that prefill dominates
 
 

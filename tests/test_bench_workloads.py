@@ -22,12 +22,12 @@ def test_workloads_are_seeded_and_sized():
     assert len({s.prompts[0][:640] for s in shared.sessions}) == 2 and shared.concurrency == 2
     assert shared.sessions[0].prompts[0][:640] == shared.sessions[2].prompts[0][:640]  # user-major order
     assert len({s.prompts[0][:16] for s in unrelated.sessions}) == 8 and unrelated.repeats == 2
-    # revisit: 3 passes, each over the same 6 documents in its own order, each visit with a new question
+    # revisit: 2 passes, each over the same 5 documents in its own order, each visit with a new question
     visits = [(s.first_round, s.prompts[0][:1024]) for s in revisit.sessions]
-    assert [r for r, _ in visits] == [0] * 6 + [1] * 6 + [2] * 6
-    assert all(len({d for r, d in visits if r == p}) == 6 for p in range(3)) and len({d for _, d in visits}) == 6
+    assert [r for r, _ in visits] == [0] * 5 + [1] * 5
+    assert all(len({d for r, d in visits if r == p}) == 5 for p in range(2)) and len({d for _, d in visits}) == 5
     assert [d for r, d in visits if r == 0] != [d for r, d in visits if r == 1]
-    assert len({s.prompts[0] for s in revisit.sessions}) == 18
+    assert len({s.prompts[0] for s in revisit.sessions}) == 10
 
 
 def test_slices_must_fit_the_corpus():
