@@ -16,7 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 MULTI_TURN = "multi_turn"
 
@@ -41,6 +41,7 @@ def plot(raw: dict, path: Path) -> None:
         cdf.set(title=f"TTFT CDF: {', '.join(workload_names)}", xlabel="TTFT (s)", ylabel="fraction of requests",
                 xscale="log")
         cdf.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 0.1, not 10^-1
+        cdf.xaxis.set_minor_formatter(NullFormatter())  # within one decade they overlap
     for axes in (rounds, *cdfs):
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
