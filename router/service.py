@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -32,10 +34,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._matcher = matcher
         self._tokenizer = tokenizer
         self._limits = limits
+        # One thread: a long prompt never stalls the event loop, and the tokenizer (not safe for concurrent calls)
+        # sees one call at a time.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def Generate(self, request: router_pb2.GenerateRequest, context) -> AsyncIterator[router_pb2.GenerateResponse]:
         started = time.monotonic()
-        ids = prompt_ids(request, self._tokenizer, self._limits)
+        ids = await self._prompt_ids(request)
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
         request_id = request.request_id or uuid.uuid4().hex
         metrics.prompt_tokens.inc(len(ids))
@@ -65,7 +70,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return block_hashes(namespace_key(model.fingerprint, cache_salt), ids, model.page_size)
 
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
-        return router_pb2.TokenizeResponse(token_ids=prompt_ids(request, self._tokenizer, self._limits))
+        return router_pb2.TokenizeResponse(token_ids=await self._prompt_ids(request))
+
+    async def _prompt_ids(self, request: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
+        """`prompt_ids` on the tokenizing thread; its INVALID_ARGUMENT errors propagate as they are."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, prompt_ids, request, self._tokenizer, self._limits)
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=[self._pool.model])
