@@ -22,7 +22,11 @@ class Row:
         return self.ours / self.baseline if self.baseline else None
 
 
+def engine_device() -> torch.device:
+    """Where a worker runs on this machine; in-process baselines run there too."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolved_dtype(name: str = "auto") -> str:
     """The dtype a worker started with `--dtype name` runs in on this machine, e.g. "float32"."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return str(resolve_dtype(DType(name), device)).removeprefix("torch.")
+    return str(resolve_dtype(DType(name), engine_device())).removeprefix("torch.")

@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench import Row
+from bench import Row, engine_device
 from model_worker.engine import Engine, EngineConfig, SamplingParams
 from model_worker.loader import resolve_model
 
@@ -24,8 +24,11 @@ def _prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
 
 
 def _timed(fn) -> float:
+    """Seconds `fn` takes, including the GPU work it queued."""
     started = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -33,23 +36,24 @@ def run(dtype: str = "bfloat16", new_tokens: int = 64, prefill_tokens: int = 204
     model_dir = resolve_model("")
     engine = Engine(model_dir, EngineConfig(dtype=dtype, max_running_requests=batch,
                                             chunked_prefill_size=prefill_tokens))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    device = engine_device()  # transformers runs where the engine does
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     prompt = _prompt(32, 0)
     engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4))  # warm-up both
     with torch.inference_mode():
-        hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        hf.generate(torch.tensor([prompt], device=device), max_new_tokens=4, do_sample=False)
 
     one = _timed(lambda: engine.generate([prompt], greedy))
     with torch.inference_mode():
-        hf_one = _timed(lambda: hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        hf_one = _timed(lambda: hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                             do_sample=False))
     prompts = [_prompt(32, i) for i in range(batch)]
     many = _timed(lambda: engine.generate(prompts, greedy))
     long = _prompt(prefill_tokens, 1)
     prefill = _timed(lambda: engine.generate([long], SamplingParams(temperature=0, max_new_tokens=1)))
     with torch.inference_mode():
-        hf_prefill = _timed(lambda: hf(torch.tensor([long])))
+        hf_prefill = _timed(lambda: hf(torch.tensor([long], device=device)))
     return [
         Row("single-request decode", new_tokens / one, new_tokens / hf_one, "tok/s", "ours >= transformers generate"),
         Row(f"{batch} concurrent vs 1 (engine)", batch * new_tokens / many, new_tokens / one, "tok/s", ">= 3x"),

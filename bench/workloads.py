@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from bench import Row, report, resolved_dtype
+from bench import Row, engine_device, report, resolved_dtype
 from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
 from model_worker.loader import resolve_model
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -331,14 +331,15 @@ class _FirstToken(BaseStreamer):
 def floor(workloads: list[Workload], sizes: Sizes, dtype: str) -> dict[str, Load]:
     """Plain transformers `generate` on the same prompts in this process: no server, no reuse, one request at a time
     (the sessions of a workload one after another). The floor every configuration should beat."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(""), dtype=getattr(torch, dtype)).eval()
+    device = engine_device()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(""), dtype=getattr(torch, dtype)).to(device).eval()
     new = sizes.answer_tokens
 
     def generate(ids: tuple[int, ...], session: int, turn: int) -> tuple[Record, tuple[int, ...]]:
         first = _FirstToken()
         sent = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  streamer=first)
         done = time.perf_counter()
         answer = tuple(out[0, len(ids):].tolist())
