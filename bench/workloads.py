@@ -339,8 +339,8 @@ def floor(workloads: list[Workload], sizes: Sizes, dtype: str) -> dict[str, Load
         first = _FirstToken()
         sent = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 streamer=first)
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, streamer=first)
         done = time.perf_counter()
         answer = tuple(out[0, len(ids):].tolist())
         return Record(session, turn, len(ids), len(answer), 0, 0, 0, 0, (first.at - sent) * 1e3,
