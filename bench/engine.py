@@ -46,8 +46,8 @@ def run(dtype: str = "bfloat16", new_tokens: int = 64, prefill_tokens: int = 204
 
     one = _timed(lambda: engine.generate([prompt], greedy))
     with torch.inference_mode():
-        hf_one = _timed(lambda: hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                            do_sample=False))
+        hf_one = _timed(lambda: hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
+                                            min_new_tokens=new_tokens, do_sample=False))
     prompts = [_prompt(32, i) for i in range(batch)]
     many = _timed(lambda: engine.generate(prompts, greedy))
     long = _prompt(prefill_tokens, 1)

@@ -29,15 +29,17 @@ def plot(raw: dict, path: Path) -> None:
         groups.setdefault(tuple(sorted(workloads)), []).append(config)
     figure, (rounds, *cdfs) = plt.subplots(1, 1 + len(groups), figsize=(6 * (1 + len(groups)), 4.5))
     for config, workloads in configs.items():
+        label = labels.get(config, config)
         if MULTI_TURN in workloads:
             means = round_means(workloads[MULTI_TURN]["records"])
-            rounds.plot(range(1, len(means) + 1), [m / 1e3 for m in means], marker="o", label=labels.get(config, config))
+            rounds.plot(range(1, len(means) + 1), [m / 1e3 for m in means], marker="o", label=label)
     rounds.set(title="multi-turn: mean TTFT per round", xlabel="round", ylabel="TTFT (s)")
     rounds.xaxis.get_major_locator().set_params(integer=True)
     for cdf, (workload_names, members) in zip(cdfs, groups.items()):
         for config in members:
             ttft = sorted(r["ttft_ms"] / 1e3 for w in configs[config].values() for r in w["records"])
-            cdf.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=labels.get(config, config))
+            fractions = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            cdf.step(ttft, fractions, where="post", label=labels.get(config, config))
         cdf.set(title=f"TTFT CDF: {', '.join(workload_names)}", xlabel="TTFT (s)", ylabel="fraction of requests",
                 xscale="log")
         cdf.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 0.1, not 10^-1

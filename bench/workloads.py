@@ -472,7 +472,8 @@ def _start(processes: Processes, configs: tuple[Config, ...], dtype: str) -> dic
             i = len(stacks)
             disk = ["--disk-cache-size-gb", "2" if tiers.l3 else "0"]
             kvcached = processes.kvcached(f"kvcached_{i}", ["--host-cache-size-gb", str(tiers.l2_gb), *disk])
-            worker = processes.worker(kvcached, f"worker_{i}", ["--l1-cache-size-gb", str(tiers.l1_gb), "--dtype", dtype])
+            l1 = ["--l1-cache-size-gb", str(tiers.l1_gb), "--dtype", dtype]
+            worker = processes.worker(kvcached, f"worker_{i}", l1)
             stacks[tiers] = kvcached, worker
         kvcached, worker = stacks[tiers]
         routers[config.name] = processes.router([worker], kvcached, f"router_{config.name}", list(config.router_args))

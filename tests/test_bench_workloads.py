@@ -70,10 +70,11 @@ def test_rows_compare_each_configuration_with_its_baseline_and_rounds():
     on, off = _load([10.0, 20.0], [0, 1], cached=50), _load([40.0, 80.0], [0, 1])
     table = {r.name: r for r in rows("multi_turn", "on", on, "off", off)}
     assert table["multi_turn: TTFT mean"].ratio == 0.25 and table["multi_turn: hit ratio"].ours == 0.5
-    assert table["multi_turn: round 2 TTFT mean"].ours == 20.0 and table["multi_turn: round 2 TTFT mean"].baseline == 80.0
+    second = table["multi_turn: round 2 TTFT mean"]
+    assert second.ours == 20.0 and second.baseline == 80.0
     assert table["multi_turn: round 2 TTFT mean"].goal == ""  # the goal is on round 5
     policy = {r.name for r in rows("revisit", "l3_timeout", on, "l2", off)}
-    assert "revisit, l3_timeout vs l2: hit ratio from L3" in policy and "revisit, l3_timeout vs l2: round 1 TTFT mean" in policy
+    assert {"revisit, l3_timeout vs l2: hit ratio from L3", "revisit, l3_timeout vs l2: round 1 TTFT mean"} <= policy
     floor = {r.name for r in rows("no_reuse", "on", on, FLOOR.name, off)}
     assert floor == {f"no_reuse, on vs transformers: {m}" for m in ("TTFT mean", "TTFT p50", "output throughput")}
 
