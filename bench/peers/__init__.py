@@ -19,9 +19,9 @@ This module is the pure part (the JSON both ways, the summary rows, the table); 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict
 
+from bench import report
 from bench.workloads import Load, Record, Sizes, Workload, metrics
 
 # The warm-up request of `bench.workloads.measure_stack`: first-request costs off the clock, for every system.
@@ -50,18 +50,12 @@ def loads_to_json(loads: dict[str, Load]) -> dict:
             for name, load in loads.items()}
 
 
-def round_means(load: Load) -> list[float]:
-    """Mean TTFT of each round (a session's n-th request), in order."""
-    turns = sorted({r.turn for r in load.records})
-    return [statistics.fmean(r.ttft_ms for r in load.records if r.turn == t) for t in turns]
-
-
 def summarize(loads: dict[str, Load]) -> Summary:
     out: Summary = {}
     for name, load in loads.items():
         summary = metrics(load)
         out |= {f"{name}: {m}": summary[m] for m in METRICS}
-        rounds = round_means(load)
+        rounds = report.round_means([asdict(r) for r in load.records])
         if len(rounds) > 1:
             out[f"{name}: round 1 TTFT mean"] = (rounds[0], "ms")
             out[f"{name}: round {len(rounds)} TTFT mean"] = (rounds[-1], "ms")
