@@ -1,6 +1,9 @@
 """Benchmarks: `python -m bench quick` (`make bench`) compares radixserve with baselines in the same run."""
 
+import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,6 +23,16 @@ class Row:
     @property
     def ratio(self) -> float | None:
         return self.ours / self.baseline if self.baseline else None
+
+
+def machine() -> dict:
+    """The machine a run measured, for its results file."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "memory_gb": round(memory_gb, 1),
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def engine_device() -> torch.device:

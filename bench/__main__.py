@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from bench import cache, engine, radix_match, resolved_dtype, tiers, workloads
+from bench import cache, engine, machine, radix_match, resolved_dtype, tiers, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,9 +54,8 @@ def main() -> None:
         print(tables[-1], f"\n({title}: {time.monotonic() - started:.0f} s)\n", flush=True)
         results[key] = [asdict(r) | {"ratio": r.ratio} for r in rows]
     RESULTS.mkdir(exist_ok=True)
-    machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__}
     (RESULTS / f"{stamp}.json").write_text(json.dumps(
-        {"machine": machine, "config": vars(args) | {"dtype_resolved": dtype}, "results": results}, indent=2))
+        {"machine": machine(), "config": vars(args) | {"dtype_resolved": dtype}, "results": results}, indent=2))
     (RESULTS / f"{stamp}.md").write_text("\n\n".join(tables) + "\n")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -23,9 +22,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-import torch
-
-from bench import resolved_dtype
+from bench import machine, resolved_dtype
 from bench.peers import Summary, loads_from_json, loads_to_json, summarize, table, workloads_json
 from bench.workloads import CONFIGS, RESULTS, Sizes, build, corpus_tokens, measure_stack
 from model_worker.loader import default_gguf, resolve_model
@@ -63,14 +60,6 @@ def run_peer(python: Path, script: Path, workloads: Path, out: Path, model: Path
 
 def model_path(kind: str) -> Path:
     return resolve_model("") if kind == "hf" else default_gguf()
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "memory_gb": round(memory_gb, 1),
-            "python": platform.python_version()}
 
 
 def main() -> None:
@@ -125,7 +114,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stamp}-peers.md").write_text(text)
     (RESULTS / f"{stamp}-peers.json").write_text(json.dumps(
-        {"machine": machine() | {"torch": torch.__version__}, "wall_s": wall_s,
+        {"machine": machine(), "wall_s": wall_s,
          "config": {"sizes": asdict(sizes), "seed": args.seed, "peers": args.peers, "skip_ours": args.skip_ours},
          "systems": systems}, indent=1))
     print(f"tables and records: {RESULTS / stamp}-peers.md, .json")
@@ -144,7 +133,7 @@ def report(columns: dict[str, Summary], systems: dict[str, dict], wall_s: float)
             notes.append(f"- {label}: version {system['version']}, {system['dtype']}, concurrency "
                          f"{system['concurrency']}, cached tokens: {system['cached_tokens']}, "
                          f"{system['run_s']:.0f} s" + (f", {system['config']}" if "config" in system else ""))
-    return (f"## Peers on the serving workloads ({machine()['cpus']} CPUs, run {wall_s:.0f} s)\n\n"
+    return (f"## Peers on the serving workloads ({os.cpu_count()} CPUs, run {wall_s:.0f} s)\n\n"
             f"{table(columns)}\n\n{HOW}\n" + "\n".join(notes) + "\n")
 
 
