@@ -142,6 +142,10 @@ class Session:
     chained: bool = False
     first_round: int = 0
 
+    def request_ids(self, history: tuple[int, ...], prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids sent for `prompt`, given `history`: the previous request's ids and its answer."""
+        return history + prompt if self.chained else prompt
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -279,7 +283,7 @@ async def _session(stub: router_pb2_grpc.RouterStub, index: int, session: Sessio
                    sampling: router_pb2.SamplingParams, salt: str) -> list[Record]:
     records, history = [], ()
     for turn, prompt in enumerate(session.prompts, start=session.first_round):
-        ids = history + prompt if session.chained else prompt
+        ids = session.request_ids(history, prompt)
         record, answer = await _request(stub, ids, sampling, salt, index, turn)
         records.append(record)
         history = ids + answer
@@ -353,7 +357,7 @@ def floor(workloads: list[Workload], sizes: Sizes, dtype: str) -> dict[str, Load
         for index, session in enumerate(workload.sessions):
             history: tuple[int, ...] = ()
             for turn, prompt in enumerate(session.prompts, start=session.first_round):
-                ids = history + prompt if session.chained else prompt
+                ids = session.request_ids(history, prompt)
                 record, answer = generate(ids, index, turn)
                 records.append(record)
                 history = ids + answer
