@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics, named as DESIGN.md's public contract says."""
+"""The router's Prometheus metrics, named as the public contract in docs/design.md says."""
 
 from prometheus_client import Counter, Gauge, Histogram
 
