@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from model_worker.engine import DType, resolve_dtype
+from model_worker.config import DType
+from model_worker.engine import resolve_dtype
 
 
 @dataclass(frozen=True)

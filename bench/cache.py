@@ -28,16 +28,21 @@ import grpc
 import torch
 
 from bench import Row
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
-from model_worker.block_copy import block_copy_for
+from kvcached.tiers.dram_shm import SlabPool, cleanup_stale_segments
+from model_worker.block_copy import block_copy_for, slab_blocks
 from model_worker.kv_pool import KVPool
-from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2, router_pb2_grpc
-from tests.stack import Processes, router_stub
+from radixserve.blocks.geometry import BlockGeometry
+from radixserve.blocks.slab import new_segment_name
+from radixserve.launch import LocalServices
+from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, router_pb2, router_pb2_grpc
 
 PAGE = 16
 VOCAB = (100, 49_000)  # random prompt ids: clear of SmolLM2's special tokens
-# SmolLM2-135M's KV geometry, so a block is the worker's real block (737,280 bytes in float32).
-LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+
+
+def smollm2_geometry(dtype: str) -> BlockGeometry:
+    """SmolLM2-135M's KV geometry, so a block is the worker's real block (737,280 bytes in float32)."""
+    return BlockGeometry(num_layers=30, num_kv_heads=3, head_dim=64, page_size=PAGE, dtype=dtype)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -74,13 +79,19 @@ def _generate(router: str, token_ids: list[int]) -> router_pb2.GenerateResponse:
     return last
 
 
+def model_fingerprint(router: str) -> str:
+    with grpc.insecure_channel(router) as channel:
+        models = router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(), timeout=10).models
+    return models[0].fingerprint
+
+
 def _wait_in_l2(kvcached: str, fingerprint: str, token_ids: list[int], timeout_s: float = 30) -> None:
     """Until kvcached holds every full page of `token_ids` (the worker commits off the request path)."""
     pages = len(token_ids) // PAGE
-    request = kvcached_pb2.MatchPrefixRequest(model_fingerprint=fingerprint, token_ids=token_ids)
+    request = kvcache_pb2.MatchPrefixRequest(model_fingerprint=fingerprint, token_ids=token_ids)
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(kvcached) as channel:
-        stub = kvcached_pb2_grpc.KVCacheStub(channel)
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
         while (matched := stub.MatchPrefix(request, timeout=5).matched_pages) < pages:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvcached holds {matched} of {pages} pages after {timeout_s:.0f} s")
@@ -93,14 +104,14 @@ def _check(what: str, ok: bool, response: router_pb2.GenerateResponse) -> None:
 
 
 def ttft(log_dir: Path, reps: int = 3, prompt_tokens: int = 2000, prefix_tokens: int = 1900) -> list[Row]:
-    processes = Processes(log_dir)
+    services = LocalServices(log_dir)
     try:
-        kvcached = processes.kvcached(args=["--host-cache-size-gb", "1"])
-        worker_a, worker_b = processes.worker(kvcached, "worker_a"), processes.worker(kvcached, "worker_b")
-        router_a = processes.router([worker_a], kvcached, "router_a")
-        router_b = processes.router([worker_b], kvcached, "router_b")
-        router_off = processes.router([worker_b], kvcached, "router_off", ["--disable-radix-cache"])
-        fingerprint = router_stub(router_a).ListModels(router_pb2.ListModelsRequest(), timeout=10).models[0].fingerprint
+        kvcached = services.kvcached(args=["--host-cache-size-gb", "1"])
+        worker_a, worker_b = services.worker(kvcached, "worker_a"), services.worker(kvcached, "worker_b")
+        router_a = services.router([worker_a], kvcached, "router_a")
+        router_b = services.router([worker_b], kvcached, "router_b")
+        router_off = services.router([worker_b], kvcached, "router_off", ["--disable-radix-cache"])
+        fingerprint = model_fingerprint(router_a)
         rng = random.Random(0)
         for router in (router_a, router_b, router_off):  # first-request costs (lazy init, allocator) off the clock
             _generate(router, _ids(rng, 64))
@@ -124,8 +135,8 @@ def ttft(log_dir: Path, reps: int = 3, prompt_tokens: int = 2000, prefix_tokens:
                   f"L1 hit {l1[-1]:.0f} ms ({again.usage.cached_tokens_l1} tokens, prefill "
                   f"{again.timings.prefill_ms:.0f})", flush=True)
     finally:
-        processes.stop()
-        cleanup_stale_segments(SEGMENT_PREFIX)  # only a daemon killed past its grace leaves one
+        services.stop()
+        cleanup_stale_segments()  # only a daemon killed past its grace leaves one
     cold_ms = statistics.median(cold)
     return [
         Row(f"TTFT {prompt_tokens}-token prompt, {prefix_pages * PAGE} from L2 (other worker) vs cold, median of "
@@ -137,12 +148,12 @@ def ttft(log_dir: Path, reps: int = 3, prompt_tokens: int = 2000, prefix_tokens:
 
 # -- 2. L2→L1 copy bandwidth -------------------------------------------------------------------------------------
 def copy_bandwidth(dtype: str, blocks: int = 120, pages: int = 128, reps: int = 15) -> list[Row]:
-    torch_dtype = getattr(torch, dtype)
-    pool = KVPool(pages, LAYERS, PAGE, KV_HEADS, HEAD_DIM, torch_dtype)
-    block_bytes = pool.kv[0].numel() * pool.kv.element_size()
+    geometry = smollm2_geometry(dtype)
+    pool = KVPool(pages, geometry)
+    block_bytes = geometry.block_bytes
     shm = SlabPool.create(new_segment_name(), block_bytes, blocks)
     try:
-        slots = torch.frombuffer(shm.buffer, dtype=torch_dtype).view(blocks, *pool.kv.shape[1:])
+        slots = slab_blocks(shm.segment, geometry)
         slots.copy_(torch.randn(slots.shape))  # a sparse segment would read as the shared zero page
         rng = random.Random(0)
         pairs = list(zip(rng.sample(range(pages), blocks), rng.sample(range(blocks), blocks)))
@@ -182,7 +193,7 @@ def release(shm: SlabPool) -> None:
 
 
 # -- 3. MatchPrefix over gRPC ------------------------------------------------------------------------------------
-def _fill(stub: kvcached_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Random, blocks: int,
+def _fill(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Random, blocks: int,
           prompt_pages: int, system_pages: int = 64, systems: int = 8) -> list[list[int]]:
     """Commits prompts of `prompt_pages` (one of `systems` shared prefixes + a unique rest) until `blocks` are
     cached; returns the prompts. Slots are allocated, never written: the index does not look at the bytes."""
@@ -193,11 +204,11 @@ def _fill(stub: kvcached_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Ran
         which = rng.randrange(systems)
         prompt = prefixes[which] + _ids(rng, (prompt_pages - system_pages) * PAGE)
         first = system_pages if cached_prefix[which] else 0
-        allocation = stub.AllocateSlots(kvcached_pb2.AllocateSlotsRequest(
+        allocation = stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
             model_fingerprint=fingerprint, count=prompt_pages - first), timeout=10)
         if len(allocation.slots) != prompt_pages - first:
             raise RuntimeError(f"kvcached pool full after {cached} blocks")
-        commit = stub.CommitBlocks(kvcached_pb2.CommitBlocksRequest(
+        commit = stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(
             model_fingerprint=fingerprint, token_ids=prompt, first_page=first, slots=allocation.slots,
             allocation_id=allocation.allocation_id), timeout=10)
         cached += commit.inserted
@@ -208,29 +219,29 @@ def _fill(stub: kvcached_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Ran
 
 def match_latency(log_dir: Path, blocks: int = 100_000, prompt_tokens: int = 4096, calls: int = 1000) -> list[Row]:
     # 1 layer x 1 KV head x 8 dims x 16 tokens x K,V in float32: 1 KiB blocks, so 100k fit in 0.1 GiB.
-    geometry = kvcached_pb2.BlockGeometry(num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE, dtype="float32",
-                                          layout="bench")
-    processes = Processes(log_dir)
+    geometry = BlockGeometry(num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE, dtype="float32",
+                             layout="bench").to_pb()
+    services = LocalServices(log_dir)
     try:
         # No disk tier: writing 100k blocks behind the fill would compete with the timed calls.
-        address = processes.kvcached("kvcached_match", ["--host-cache-size-gb", "0.1", "--disk-cache-size-gb", "0"])
+        address = services.kvcached("kvcached_match", ["--host-cache-size-gb", "0.1", "--disk-cache-size-gb", "0"])
         with grpc.insecure_channel(address) as channel:
-            stub = kvcached_pb2_grpc.KVCacheStub(channel)
-            stub.RegisterNamespace(kvcached_pb2.RegisterNamespaceRequest(model_fingerprint="bench-match",
+            stub = kvcache_pb2_grpc.KVCacheStub(channel)
+            stub.RegisterNamespace(kvcache_pb2.RegisterNamespaceRequest(model_fingerprint="bench-match",
                                                                          geometry=geometry), timeout=10)
             rng = random.Random(0)
             prompts = _fill(stub, "bench-match", rng, blocks, prompt_tokens // PAGE)
-            (stats,) = stub.GetStats(kvcached_pb2.GetStatsRequest(), timeout=10).namespaces
-            requests = [kvcached_pb2.MatchPrefixRequest(model_fingerprint="bench-match", token_ids=p)
+            (stats,) = stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=10).namespaces
+            requests = [kvcache_pb2.MatchPrefixRequest(model_fingerprint="bench-match", token_ids=p)
                         for p in rng.sample(prompts, 50)]
             for request in requests:  # warm-up, and every query must hit all of its pages
                 if stub.MatchPrefix(request, timeout=10).matched_pages != prompt_tokens // PAGE:
                     raise AssertionError("a committed prompt does not match in full")
             samples = _timed_ms(lambda i: stub.MatchPrefix(requests[i % len(requests)], timeout=10), calls)
-            floor = _timed_ms(lambda i: stub.GetStats(kvcached_pb2.GetStatsRequest(), timeout=10), calls)
+            floor = _timed_ms(lambda i: stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=10), calls)
     finally:
-        processes.stop()
-        cleanup_stale_segments(SEGMENT_PREFIX)
+        services.stop()
+        cleanup_stale_segments()
     what = f"MatchPrefix over gRPC, {prompt_tokens} tokens, {stats.blocks_cached:,} blocks cached"
     floor_what = "vs GetStats round trip (gRPC floor)"
     return [Row(f"{what}, p50 {floor_what}", statistics.median(samples), statistics.median(floor), "ms", "<= 1 ms"),

@@ -14,7 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench import Row, engine_device
-from model_worker.engine import Engine, EngineConfig, SamplingParams
+from model_worker.config import EngineConfig
+from model_worker.engine import Engine
+from model_worker.request import SamplingParams
 from model_worker.loader import resolve_model
 
 
@@ -34,7 +36,7 @@ def _timed(fn) -> float:
 
 def run(dtype: str = "bfloat16", new_tokens: int = 64, prefill_tokens: int = 2048, batch: int = 8) -> list[Row]:
     model_dir = resolve_model("")
-    engine = Engine(model_dir, EngineConfig(dtype=dtype, max_running_requests=batch,
+    engine = Engine(model_dir, EngineConfig(dtype=dtype, kvcached="", max_running_requests=batch,
                                             chunked_prefill_size=prefill_tokens))
     device = engine_device()  # transformers runs where the engine does
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 from bench import Row
-from kvcached.keys import block_hashes, namespace_key
-from kvcached.radix import RadixIndex
+from radixserve.blocks.keys import block_hashes, namespace_key
+from radixserve.blocks.radix import RadixIndex
 
 PAGE, PROMPT_TOKENS, INDEX_BLOCKS = 16, 4096, 100_000
 NS = namespace_key("bench-model", "")

@@ -22,23 +22,22 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import lmdb
-import torch
 
 from bench import Row
-from bench.cache import HEAD_DIM, KV_HEADS, LAYERS, PAGE, _check, _generate, _ids, _median_s, _p99, release
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SlabPool, cleanup_stale_segments, new_segment_name
+from bench.cache import (PAGE, _check, _generate, _ids, _median_s, _p99, model_fingerprint, release,
+                         smollm2_geometry)
+from kvcached.tiers.dram_shm import SlabPool, cleanup_stale_segments
 from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier
-from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2, router_pb2_grpc
-from tests.stack import REPO, Processes, router_stub
+from radixserve.blocks.slab import new_segment_name
+from radixserve.launch import LocalServices
+from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, router_pb2, router_pb2_grpc
 
 POLICIES = ("wait_complete", "timeout", "best_effort")
 # Room for every block of the run in both tiers, so neither evicts a prefix the run still needs.
@@ -59,7 +58,7 @@ def run(dtype: str) -> list[Row]:
 
 # -- 1. L3 -> L2 prefetch bandwidth ------------------------------------------------------------------------------
 def prefetch_bandwidth(dtype: str, log_dir: Path, blocks: int = 120, reps: int = 7) -> list[Row]:
-    block_bytes = LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    block_bytes = smollm2_geometry(dtype).block_bytes
     total = blocks * block_bytes
     path = log_dir / "bench-l3"
     rng = random.Random(0)
@@ -87,7 +86,7 @@ def prefetch_bandwidth(dtype: str, log_dir: Path, blocks: int = 120, reps: int =
                         view[:] = value[len(value) - block_bytes:]
 
             raw = total / _median_s(raw_loop, reps) / 1e9
-        out = shm.buffer[:total]
+        out = shm.segment.buffer[:total]
         with open(path / "data.mdb", "rb", buffering=0) as f:
             def file_read() -> None:
                 f.seek(0)
@@ -107,31 +106,30 @@ def prefetch_bandwidth(dtype: str, log_dir: Path, blocks: int = 120, reps: int =
 
 # -- 2 and 3. through the stack ----------------------------------------------------------------------------------
 def through_the_stack(log_dir: Path) -> list[Row]:
-    processes = Processes(log_dir)
+    services = LocalServices(log_dir)
     try:
-        kvcached = processes.kvcached(args=KVCACHED_ARGS)
-        worker_a, worker_b = processes.worker(kvcached, "worker_a"), processes.worker(kvcached, "worker_b")
-        routers = {"warm": processes.router([worker_a], kvcached, "router_warm"),
-                   "off": processes.router([worker_b], kvcached, "router_off", ["--disable-radix-cache"])}
+        kvcached = services.kvcached(args=KVCACHED_ARGS)
+        workers = [services.worker(kvcached, "worker_a"), services.worker(kvcached, "worker_b")]
+        routers = {"warm": services.router(workers[:1], kvcached, "router_warm"),
+                   "off": services.router(workers[1:], kvcached, "router_off", ["--disable-radix-cache"])}
         for policy in POLICIES:
-            routers[policy] = processes.router([worker_b], kvcached, f"router_{policy}",
+            routers[policy] = services.router(workers[1:], kvcached, f"router_{policy}",
                                                ["--prefetch-policy", policy, "--prefetch-timeout-ms", "200"])
-        fingerprint = router_stub(routers["warm"]).ListModels(router_pb2.ListModelsRequest(),
-                                                              timeout=10).models[0].fingerprint
+        fingerprint = model_fingerprint(routers["warm"])
         rng = random.Random(0)
         for router in routers.values():  # first-request costs (lazy init, allocator) off the clock
             _generate(router, _ids(rng, 64))
-        rows = ttft(processes, kvcached, routers, rng)
-        rows += mixed(processes, kvcached, fingerprint, routers, rng)
+        rows = ttft(services, kvcached, workers, routers, rng)
+        rows += mixed(services, kvcached, workers, fingerprint, routers, rng)
     finally:
-        processes.stop()
-        cleanup_stale_segments(SEGMENT_PREFIX)  # only a daemon killed past its grace leaves one
+        services.stop()
+        cleanup_stale_segments()  # only a daemon killed past its grace leaves one
     return rows
 
 
-def _stats(kvcached: str) -> kvcached_pb2.KVCacheStats:
+def _stats(kvcached: str) -> kvcache_pb2.KVCacheStats:
     with grpc.insecure_channel(kvcached) as channel:
-        return kvcached_pb2_grpc.KVCacheStub(channel).GetStats(kvcached_pb2.GetStatsRequest(), timeout=5)
+        return kvcache_pb2_grpc.KVCacheStub(channel).GetStats(kvcache_pb2.GetStatsRequest(), timeout=5)
 
 
 def _wait(what: str, condition, timeout_s: float = 60) -> None:
@@ -142,30 +140,26 @@ def _wait(what: str, condition, timeout_s: float = 60) -> None:
         time.sleep(0.1)
 
 
-def _restart(processes: Processes, kvcached: str, args: list[str] = ()) -> None:
+def _restart(services: LocalServices, workers: list[str], args: list[str] = ()) -> None:
     """SIGTERM kvcached (it flushes L3), start a new one on the same port and disk (its L2 starts empty), then wait
     for the workers' heartbeat to re-register their namespace. As tests/test_e2e_l3.py does."""
-    daemon = next(p for p in processes.stack.processes if p.args[2] == "kvcached")
-    daemon.send_signal(signal.SIGTERM)
-    if daemon.wait(60) != 0:
-        raise RuntimeError(f"kvcached exited with {daemon.returncode} on SIGTERM")
-    processes.stack.processes.remove(daemon)
-    disk = ["--disk-cache-path", str(processes.log_dir / "kvcached-l3")]  # Processes.kvcached()'s path
-    with open(processes.log_dir / "kvcached.log", "ab") as log:
-        processes.stack.start("kvcached", int(kvcached.rsplit(":", 1)[1]), [
-            "--metrics-port", "0", *disk, *KVCACHED_ARGS, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    _wait("workers re-registered", lambda: len(_stats(kvcached).namespaces) == 1)
+    code = services.stop_service("kvcached")
+    if code != 0:
+        raise RuntimeError(f"kvcached exited with {code} on SIGTERM")
+    services.start_again("kvcached", args)
+    if not services.workers_registered(workers, timeout_s=60):
+        raise TimeoutError("the workers did not re-register with the restarted kvcached")
 
 
-def ttft(processes: Processes, kvcached: str, routers: dict[str, str], rng: random.Random, reps: int = 3,
-         prompt_tokens: int = 2000, prefix_tokens: int = 1900) -> list[Row]:
+def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: dict[str, str], rng: random.Random,
+         reps: int = 3, prompt_tokens: int = 2000, prefix_tokens: int = 1900) -> list[Row]:
     prefix_pages = prefix_tokens // PAGE
     prompts = [_ids(rng, prompt_tokens) for _ in range(reps)]
     on_disk = _stats(kvcached).disk.blocks
     for prompt in prompts:  # worker A computes each prefix; write_through queues its blocks for L3 at once
         _generate(routers["warm"], prompt[:prefix_tokens])
     _wait("prefixes in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + reps * prefix_pages)
-    _restart(processes, kvcached)
+    _restart(services, workers)
     cold, l3, waits = [], [], []
     for rep, prompt in enumerate(prompts):
         hit = _generate(routers["wait_complete"], prompt)  # worker B, L2 empty: every prefix page comes from L3
@@ -185,14 +179,14 @@ def ttft(processes: Processes, kvcached: str, routers: dict[str, str], rng: rand
             Row(f"{what}: prefetch wait of it, median of {reps}", statistics.median(waits), None, "ms", "(context)")]
 
 
-def _commit(stub: kvcached_pb2_grpc.KVCacheStub, fingerprint: str, token_ids: list[int]) -> int:
+def _commit(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, token_ids: list[int]) -> int:
     """Caches the full pages of `token_ids` in kvcached as a worker would, without computing them; returns how many."""
     pages = len(token_ids) // PAGE
-    allocation = stub.AllocateSlots(kvcached_pb2.AllocateSlotsRequest(model_fingerprint=fingerprint, count=pages),
+    allocation = stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(model_fingerprint=fingerprint, count=pages),
                                     timeout=10)
     if len(allocation.slots) != pages:
         raise RuntimeError(f"kvcached's L2 pool gave {len(allocation.slots)} of {pages} slots")
-    return stub.CommitBlocks(kvcached_pb2.CommitBlocksRequest(
+    return stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(
         model_fingerprint=fingerprint, token_ids=token_ids, first_page=0, slots=allocation.slots,
         allocation_id=allocation.allocation_id), timeout=10).inserted
 
@@ -218,18 +212,18 @@ async def _closed_loop(router: str, prompts: list[tuple[str, list[int]]], concur
     return done, time.perf_counter() - started
 
 
-def mixed(processes: Processes, kvcached: str, fingerprint: str, routers: dict[str, str], rng: random.Random,
-          requests: int = 16, concurrency: int = 4, prefix_tokens: int = 608, suffix_tokens: int = 32,
+def mixed(services: LocalServices, kvcached: str, workers: list[str], fingerprint: str,
+          routers: dict[str, str], rng: random.Random, requests: int = 16, concurrency: int = 4, prefix_tokens: int = 608, suffix_tokens: int = 32,
           fresh_tokens: int = 256, max_new_tokens: int = 8) -> list[Row]:
     prefixes = {policy: [_ids(rng, prefix_tokens) for _ in range(requests // 2)] for policy in POLICIES}
     with grpc.insecure_channel(kvcached) as channel:
-        stub = kvcached_pb2_grpc.KVCacheStub(channel)
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
         for prefix in (p for ps in prefixes.values() for p in ps):
             on_disk = _stats(kvcached).disk.blocks
             inserted = _commit(stub, fingerprint, prefix)
             # one prefix at a time: the L3 write queue (256 MB) would drop blocks queued faster than LMDB writes
             _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + inserted)
-    _restart(processes, kvcached, ["--l3-read-delay-ms", str(READ_DELAY_MS)])
+    _restart(services, workers, ["--l3-read-delay-ms", str(READ_DELAY_MS)])
     rows, baseline = [], {}
     for policy in POLICIES:
         prompts = []

@@ -50,11 +50,11 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench import Row, engine_device, report, resolved_dtype
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
+from kvcached.tiers.dram_shm import cleanup_stale_segments
 from model_worker.loader import resolve_model
+from radixserve.launch import LocalServices
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router.tokenizer import PromptTokenizer
-from tests.stack import Processes
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -457,16 +457,16 @@ def measure_stack(log_dir: Path, workloads: list[Workload], sizes: Sizes, rate: 
                   ) -> dict[str, dict[str, Load]]:
     """{config: {workload: load}}: every configuration's workloads through its router (see the module docstring),
     the configurations of a workload one after another; the workers run in `dtype`. Process logs go to `log_dir`."""
-    processes = Processes(log_dir)
+    services = LocalServices(log_dir)
     try:
-        routers = _start(processes, configs, dtype)
+        routers = _start(services, configs, dtype)
         return asyncio.run(_all(routers, configs, workloads, sizes, rate, seed))
     finally:
-        processes.stop()
-        cleanup_stale_segments(SEGMENT_PREFIX)  # only a daemon killed past its grace leaves one
+        services.stop()
+        cleanup_stale_segments()  # only a daemon killed past its grace leaves one
 
 
-def _start(processes: Processes, configs: tuple[Config, ...], dtype: str) -> dict[str, str]:
+def _start(services: LocalServices, configs: tuple[Config, ...], dtype: str) -> dict[str, str]:
     """One kvcached and one worker per distinct `Tiers`, one router per configuration; the routers' addresses."""
     stacks: dict[Tiers, tuple[str, str]] = {}
     routers = {}
@@ -475,12 +475,12 @@ def _start(processes: Processes, configs: tuple[Config, ...], dtype: str) -> dic
         if tiers not in stacks:
             i = len(stacks)
             disk = ["--disk-cache-size-gb", "2" if tiers.l3 else "0"]
-            kvcached = processes.kvcached(f"kvcached_{i}", ["--host-cache-size-gb", str(tiers.l2_gb), *disk])
+            kvcached = services.kvcached(f"kvcached_{i}", ["--host-cache-size-gb", str(tiers.l2_gb), *disk])
             l1 = ["--l1-cache-size-gb", str(tiers.l1_gb), "--dtype", dtype]
-            worker = processes.worker(kvcached, f"worker_{i}", l1)
+            worker = services.worker(kvcached, f"worker_{i}", l1)
             stacks[tiers] = kvcached, worker
         kvcached, worker = stacks[tiers]
-        routers[config.name] = processes.router([worker], kvcached, f"router_{config.name}", list(config.router_args))
+        routers[config.name] = services.router([worker], kvcached, f"router_{config.name}", list(config.router_args))
     return routers
 
 

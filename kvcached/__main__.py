@@ -13,11 +13,11 @@ from kvcached.config import KVCachedConfig
 from kvcached.l3 import L3
 from kvcached.prefetch import Prefetcher
 from kvcached.service import KVCacheServicer
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, cleanup_stale_segments
+from kvcached.tiers.dram_shm import cleanup_stale_segments
 from kvcached.tiers.lmdb_tier import DiskTier, DiskTierError
 from radixserve.config import parse_config
 from radixserve.server import ServiceSpec, serve, setup_logging
-from radixserve.v1 import kvcached_pb2_grpc
+from radixserve.v1 import kvcache_pb2_grpc
 
 log = logging.getLogger("kvcached")
 
@@ -52,7 +52,7 @@ def check_idle(cache: KVCache) -> None:
 def open_disk(config: KVCachedConfig) -> DiskTier | None:
     """The L3 tier, or None when it is off or (with --disk-cache-optional) cannot open."""
     if config.disk_cache_size_gb == 0:
-        log.info("disk tier off (--disk-cache-size-gb 0)")
+        log.info("disk tier off", extra={"disk_cache_size_gb": 0})
         return None
     try:
         disk = DiskTier(config.disk_cache_path, int(config.disk_cache_size_gb * (1 << 30)),
@@ -66,7 +66,7 @@ def open_disk(config: KVCachedConfig) -> DiskTier | None:
 
 
 async def run(config: KVCachedConfig) -> None:
-    removed = cleanup_stale_segments(SEGMENT_PREFIX)
+    removed = cleanup_stale_segments()
     if removed:
         log.info("removed stale shared-memory segments of dead daemons", extra={"segments": removed})
     disk = open_disk(config)
@@ -80,7 +80,7 @@ async def run(config: KVCachedConfig) -> None:
     try:
         await serve("kvcached", config.host, config.port, config.metrics_port,
                     [ServiceSpec(servicer,
-                                 kvcached_pb2_grpc.add_KVCacheServicer_to_server, "radixserve.v1.KVCache")],
+                                 kvcache_pb2_grpc.add_KVCacheServicer_to_server, "radixserve.v1.KVCache")],
                     grace_s=config.drain_grace_s,
                     components={DISK_HEALTH: (lambda: disk.healthy)} if disk is not None else None)
     finally:

@@ -26,15 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcached.keys import BlockHash, block_hashes, namespace_key
 from kvcached.l3 import L3
-from kvcached.radix import Lease, RadixIndex
-from kvcached.tiers.dram_shm import SlabPool, new_segment_name
+from kvcached.tiers.dram_shm import SlabPool
+from radixserve.blocks.geometry import BlockGeometry
+from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
+from radixserve.blocks.radix import Lease, RadixIndex
+from radixserve.blocks.slab import new_segment_name
 
 log = logging.getLogger("kvcached.cache")
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 class NotFound(KeyError):
     pass
@@ -50,20 +49,6 @@ class Conflict(ValueError):
 
 class Exhausted(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class Geometry:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: str
-    layout: str
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 class Match(NamedTuple):
@@ -97,7 +82,7 @@ class _Held:
 @dataclass
 class Namespace:
     fingerprint: str
-    geometry: Geometry
+    geometry: BlockGeometry
     pool: SlabPool
     index: RadixIndex = field(default_factory=RadixIndex)
     allocated: set[int] = field(default_factory=set)  # slots of allocations and prefetches, and `stuck` ones
@@ -143,14 +128,12 @@ class KVCache:
         self._ids = itertools.count(1)
 
     # -- namespaces --------------------------------------------------------------------------------------------
-    def register(self, fingerprint: str, geometry: Geometry) -> Namespace:
+    def register(self, fingerprint: str, geometry: BlockGeometry) -> Namespace:
         """The namespace of `fingerprint`, creating its pool on first registration."""
-        if geometry.dtype not in DTYPE_BYTES:
-            raise InvalidRequest(f"geometry.dtype {geometry.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if not fingerprint:
+            raise InvalidRequest("model_fingerprint must be set")
         if geometry.page_size != self._page_size:
             raise Conflict(f"geometry.page_size {geometry.page_size} != kvcached --page-size {self._page_size}")
-        if min(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) < 1 or not fingerprint:
-            raise InvalidRequest("model_fingerprint and every geometry size must be set")
         existing = self._namespaces.get(fingerprint)
         if existing is not None:
             if existing.geometry != geometry:
@@ -191,14 +174,14 @@ class KVCache:
         result = namespace.index.match(hashes, lock=lease)
         l3_pages = 0
         if self.l3 is not None:
-            self.l3.hit(namespace.fingerprint, namespace.pool, hashes, result.l2_slots)
+            self.l3.hit(namespace.fingerprint, namespace.pool, hashes, result.slots)
             l3_pages = self.l3.run_length(hashes, result.pages)
         lease_id = None
         if result.lease is not None and result.pages == 0:
             namespace.index.unlock(result.lease)
         elif result.lease is not None:
             lease_id = self._hold(_Held(namespace, self._expiry(ttl_s), lease=result.lease))
-        return Match(result.pages, result.l2_slots, lease_id, l3_pages)
+        return Match(result.pages, result.slots, lease_id, l3_pages)
 
     def release(self, lease_id: str) -> None:
         held = self._held.get(lease_id)
@@ -237,15 +220,12 @@ class KVCache:
         if first_page + len(slots) > len(hashes):
             raise InvalidRequest(f"pages [{first_page}, {first_page + len(slots)}) exceed the {len(hashes)} full "
                                  "pages of token_ids")
-        prefix = namespace.index.match(hashes[:first_page])
-        inserted, already_cached = set(), 0
-        if prefix.pages == first_page:
-            result = namespace.index.insert(hashes[:first_page + len(slots)], list(prefix.l2_slots) + list(slots))
-            inserted = set(slots) - set(result.unused_slots)
-            already_cached = result.cached_pages - first_page
-            if self.l3 is not None:  # the inserted pages are the ones after those already cached
-                self.l3.committed(namespace.fingerprint, namespace.pool, hashes, result.cached_pages,
-                                  slots[already_cached:])
+        result = namespace.index.insert(hashes[:first_page + len(slots)], slots, start=first_page)
+        inserted = set(slots) - set(result.unused_slots)
+        already_cached = max(0, result.cached_pages - first_page)
+        if self.l3 is not None and inserted:  # the inserted pages are the ones after those already cached
+            self.l3.committed(namespace.fingerprint, namespace.pool, hashes, result.cached_pages,
+                              slots[already_cached:])
         held.slots -= inserted
         namespace.allocated -= inserted
         self._drop(allocation_id)  # the allocation's other slots return to the pool
@@ -283,10 +263,9 @@ class KVCache:
         """The next page's bytes are in its slot: caches it. False when the chain broke (stop loading)."""
         page = prefetch.first + prefetch.ready
         slot = prefetch.slots[prefetch.ready]
-        prefix = prefetch.namespace.index.match(prefetch.hashes[:page])
-        if prefix.pages < page:
+        result = prefetch.namespace.index.insert(prefetch.hashes[:page + 1], [slot], start=page)
+        if result.cached_pages < page:
             return False
-        result = prefetch.namespace.index.insert(prefetch.hashes[:page + 1], [*prefix.l2_slots, slot])
         prefetch.namespace.allocated.discard(slot)
         if slot in result.unused_slots:  # a worker committed the same page meanwhile
             prefetch.namespace.pool.free([slot])

@@ -16,10 +16,10 @@ import enum
 import logging
 from collections.abc import Sequence
 
-from kvcached.keys import BlockHash
-from kvcached.radix import EvictedBlock
 from kvcached.tiers.dram_shm import SlabPool
 from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind
+from radixserve.blocks.keys import BlockHash
+from radixserve.blocks.radix import EvictedBlock
 
 log = logging.getLogger("kvcached.l3")
 
@@ -61,9 +61,6 @@ class L3:
         while end < len(hashes) and hashes[end] in self._blocks:
             end += 1
         return end - start
-
-    def has(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._blocks
 
     # -- write policies ----------------------------------------------------------------------------------------
     def committed(self, namespace: str, pool: SlabPool, hashes: Sequence[BlockHash], first: int,

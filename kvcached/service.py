@@ -10,10 +10,11 @@ import time
 import grpc
 
 from kvcached import metrics
-from kvcached.cache import Conflict, Exhausted, Geometry, InvalidRequest, KVCache, Namespace, NotFound
+from kvcached.cache import Conflict, Exhausted, InvalidRequest, KVCache, Namespace, NotFound
 from kvcached.prefetch import Prefetcher
+from radixserve.blocks.geometry import BlockGeometry
 from radixserve.server import ServiceError
-from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc
+from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 _STATUS = ((NotFound, grpc.StatusCode.NOT_FOUND), (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
            (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT), (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED))
@@ -37,28 +38,28 @@ def _rpc(fn):
     return wrapper
 
 
-def geometry_from_pb(g: kvcached_pb2.BlockGeometry) -> Geometry:
-    return Geometry(g.num_layers, g.num_kv_heads, g.head_dim, g.page_size, g.dtype, g.layout)
+def geometry_from_pb(pb) -> BlockGeometry:
+    try:
+        return BlockGeometry.from_pb(pb)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
 
 
-def handle_to_pb(ns: Namespace) -> kvcached_pb2.PoolHandle:
-    g = ns.geometry
-    return kvcached_pb2.PoolHandle(
-        model_fingerprint=ns.fingerprint, segment_name=ns.pool.name, slot_bytes=g.block_bytes,
-        num_slots=ns.pool.num_slots, geometry=kvcached_pb2.BlockGeometry(
-            num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, page_size=g.page_size,
-            dtype=g.dtype, layout=g.layout))
+def handle_to_pb(ns: Namespace) -> kvcache_pb2.PoolHandle:
+    return kvcache_pb2.PoolHandle(model_fingerprint=ns.fingerprint, segment_name=ns.pool.name,
+                                   slot_bytes=ns.geometry.block_bytes, num_slots=ns.pool.num_slots,
+                                   geometry=ns.geometry.to_pb())
 
 
-def disk_to_pb(cache: KVCache) -> kvcached_pb2.DiskStats:
+def disk_to_pb(cache: KVCache) -> kvcache_pb2.DiskStats:
     if cache.l3 is None:
-        return kvcached_pb2.DiskStats(enabled=False)
+        return kvcache_pb2.DiskStats(enabled=False)
     disk = cache.l3.disk.stats()
-    return kvcached_pb2.DiskStats(enabled=True, healthy=disk.healthy, blocks=disk.blocks, bytes_used=disk.bytes_used,
+    return kvcache_pb2.DiskStats(enabled=True, healthy=disk.healthy, blocks=disk.blocks, bytes_used=disk.bytes_used,
                                   bytes_total=disk.bytes_total, corrupt_blocks=disk.corrupt_blocks)
 
 
-class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
+class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, cache: KVCache, page_size: int, prefetcher: Prefetcher | None = None):
         """`prefetcher` None: no disk tier."""
         self.cache = cache
@@ -82,7 +83,7 @@ class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
         if request.prefetch and self._prefetcher is not None:
             prefetch_id = self._prefetcher.maybe_start(request.model_fingerprint, request.cache_salt,
                                                        request.token_ids, match)
-        return kvcached_pb2.MatchPrefixResponse(
+        return kvcache_pb2.MatchPrefixResponse(
             matched_pages=match.pages, l2_slots=match.l2_slots, lease_id=match.lease_id or "",
             segment_name=self.cache.namespace(request.model_fingerprint).pool.name, l3_pages=match.l3_pages,
             prefetch_id=prefetch_id or "")
@@ -90,40 +91,40 @@ class KVCacheServicer(kvcached_pb2_grpc.KVCacheServicer):
     @_rpc
     async def WaitPrefetch(self, request):
         if self._prefetcher is None:
-            return kvcached_pb2.WaitPrefetchResponse(done=True)
+            return kvcache_pb2.WaitPrefetchResponse(done=True)
         ready, total, done = await self._prefetcher.wait(request.prefetch_id, request.timeout_ms / 1e3)
-        return kvcached_pb2.WaitPrefetchResponse(ready_pages=ready, total_pages=total, done=done)
+        return kvcache_pb2.WaitPrefetchResponse(ready_pages=ready, total_pages=total, done=done)
 
     @_rpc
     async def DropNamespace(self, request):
         if any(ns.fingerprint == request.model_fingerprint for ns in self.cache.namespaces()):
             raise Conflict(f"namespace {request.model_fingerprint[:12]} is registered; only stale ones are dropped")
         if self.cache.l3 is None:
-            return kvcached_pb2.DropNamespaceResponse()
+            return kvcache_pb2.DropNamespaceResponse()
         dropped = await asyncio.to_thread(self.cache.l3.disk.delete_namespace, request.model_fingerprint)
-        return kvcached_pb2.DropNamespaceResponse(dropped_blocks=dropped)
+        return kvcache_pb2.DropNamespaceResponse(dropped_blocks=dropped)
 
     @_rpc
     def AllocateSlots(self, request):
         allocation = self.cache.allocate(request.model_fingerprint, request.count)
         metrics.evictions.labels(tier="l2").inc(allocation.evicted)
-        return kvcached_pb2.AllocateSlotsResponse(allocation_id=allocation.allocation_id, slots=allocation.slots)
+        return kvcache_pb2.AllocateSlotsResponse(allocation_id=allocation.allocation_id, slots=allocation.slots)
 
     @_rpc
     def CommitBlocks(self, request):
         commit = self.cache.commit(request.model_fingerprint, request.cache_salt, request.token_ids,
                                    request.first_page, request.slots, request.allocation_id)
-        return kvcached_pb2.CommitBlocksResponse(inserted=commit.inserted, already_cached=commit.already_cached)
+        return kvcache_pb2.CommitBlocksResponse(inserted=commit.inserted, already_cached=commit.already_cached)
 
     @_rpc
     def ReleaseLease(self, request):
         self.cache.release(request.lease_id)
-        return kvcached_pb2.ReleaseLeaseResponse()
+        return kvcache_pb2.ReleaseLeaseResponse()
 
     @_rpc
     def GetStats(self, request):
-        return kvcached_pb2.KVCacheStats(disk=disk_to_pb(self.cache), namespaces=[
-            kvcached_pb2.NamespaceStats(
+        return kvcache_pb2.KVCacheStats(disk=disk_to_pb(self.cache), namespaces=[
+            kvcache_pb2.NamespaceStats(
                 model_fingerprint=ns.fingerprint, slots_total=ns.pool.num_slots, slots_free=ns.pool.num_free,
                 blocks_cached=ns.index.total_pages, leases=self.cache.leases(ns),
                 allocations=self.cache.allocations(ns))

@@ -19,7 +19,7 @@ log = logging.getLogger("model_worker")
 
 async def run(config: WorkerConfig) -> None:
     model_dir = resolve_model(config.model)
-    engine = Engine(model_dir, config.engine())
+    engine = Engine(model_dir, config)
     log.info("model loaded", extra={"model": engine.info.name, "dtype": engine.info.dtype,
                                     "fingerprint": engine.info.fingerprint})
     engine.start()

@@ -245,7 +245,7 @@ def select_backend(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: in
             return FlashAttentionBackend(pool, num_heads, num_kv_heads, head_dim)
         except ImportError as exc:
             reason = f"flash_attn does not import ({exc})"
-    log.info("attention backend: torch SDPA (%s)", reason)
+    log.info("attention backend: torch SDPA", extra={"reason": reason})
     return SdpaBackend(pool, num_heads, num_kv_heads, head_dim)
 
 

@@ -15,7 +15,17 @@ import logging
 
 import torch
 
+from radixserve.blocks.geometry import BlockGeometry
+from radixserve.blocks.slab import SlabSegment
+
 log = logging.getLogger("model_worker.block_copy")
+
+
+def slab_blocks(segment: SlabSegment, geometry: BlockGeometry) -> torch.Tensor:
+    """The segment's slots as blocks [num_slots, *geometry.block_shape], a view of the shared memory (it pins the
+    mapping until dropped: see `SlabSegment.close`)."""
+    dtype = getattr(torch, geometry.dtype)
+    return torch.frombuffer(segment.buffer, dtype=dtype).view(segment.num_slots, *geometry.block_shape)
 
 
 class HostBlockCopy:

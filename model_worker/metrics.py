@@ -1,11 +1,18 @@
-"""The worker's Prometheus metrics: its load and L1 pool, read from the engine at scrape time."""
+"""The worker's Prometheus metrics: counters of its kvcached link, and its load and L1 pool read from the engine at
+scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from model_worker.engine import Engine
+if TYPE_CHECKING:  # the engine imports the kvcache client, which counts here
+    from model_worker.engine import Engine
+
+kvcached_errors = Counter("radixserve_worker_kvcached_errors_total", "kvcached calls that failed", ["op"])
+committed_blocks = Counter("radixserve_worker_committed_blocks_total", "Blocks committed to kvcached")
 
 
 class EngineCollector:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kvcached.keys import BlockHash, block_hashes, namespace_key
-from kvcached.radix import Lease, RadixIndex
 from model_worker.block_copy import HostBlockCopy
 from model_worker.kv_pool import KVPool
 from model_worker.kvcache_client import CommitJob, KVCacheClient
+from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
+from radixserve.blocks.radix import Lease, RadixIndex
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class PrefixCache:
         usable = (len(prompt) - 1) // self._page_size
         match = self._index.match(self._hashes(state, prompt[:usable * self._page_size]), lock=True)
         state.l1_lease = match.lease
-        l1_pages = list(match.l2_slots)  # the index's slots are L1 page ids
+        l1_pages = list(match.slots)  # the L1 index's slots are pool pages
         self._pool.incref(l1_pages)
         table = self._pool.block_table(request_id)
         table.extend(l1_pages)
@@ -113,7 +113,7 @@ class PrefixCache:
         lease = state.request.l2_lease
         if lease is None or self._client is None:
             return []
-        blocks = self._client.l2_slots_view(lease.segment_name)
+        blocks = self._client.l2_blocks(lease.segment_name)
         slots = lease.slots[first:usable]
         if blocks is None or not slots:
             return []
@@ -137,24 +137,24 @@ class PrefixCache:
             return
         hashes = self._hashes(state, token_ids[:full * self._page_size])
         table = self._pool.block_table(request_id)[:full]
-        inserted = self._index.insert(hashes, table)
+        # The new lease pins the whole cached path, so eviction never takes pages this sequence still uses.
+        inserted = self._index.insert(hashes, table, lock=True)
         new = inserted.cached_pages
         self._pool.incref(table[new:new + inserted.inserted_pages])
-        # Re-lock the whole cached path, so eviction never takes pages this sequence still uses.
         self._unlock(state)
-        state.l1_lease = self._index.match(hashes, lock=True).lease
+        state.l1_lease = inserted.lease
         state.pages_in_l1 = full
-        self._commit(state, token_ids, hashes)
+        self._commit(state, token_ids, inserted.slots)
 
-    def _commit(self, state: CacheState, token_ids: list[int], hashes: list[BlockHash]) -> None:
-        full = len(hashes)
+    def _commit(self, state: CacheState, token_ids: list[int], l1_pages: tuple[int, ...]) -> None:
+        full = len(l1_pages)
         if self._client is None or full <= state.pages_in_l2:
             return
-        match = self._index.match(hashes, lock=True)  # pinned until the commit is done
+        lease = self._index.share(state.l1_lease)  # pinned until the commit is done
         first = state.pages_in_l2
         state.pages_in_l2 = full
         self._client.commit(CommitJob(state.request.salt, tuple(token_ids[:full * self._page_size]), first,
-                                      tuple(match.l2_slots[first:]), lambda: self._unlock_lease(match.lease)))
+                                      l1_pages[first:], lambda: self._unlock_lease(lease)))
 
     def _unlock_lease(self, lease: Lease) -> None:
         with self._lock:

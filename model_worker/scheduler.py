@@ -21,13 +21,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import KVPool, pages_for_tokens
 from model_worker.prefix_cache import CacheState, PrefixCache
+from model_worker.request import RequestOutput, SamplingParams
 
 
 @dataclass(eq=False)
@@ -38,8 +39,8 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     prompt_len: int
     max_tokens: int  # prompt + generated never exceeds this
-    sampling: Any  # engine.SamplingParams (typed loosely: engine imports this module)
-    on_output: Callable[[Any], None]
+    sampling: SamplingParams
+    on_output: Callable[[RequestOutput], None]
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     stop_filter: StopStringFilter

@@ -7,8 +7,9 @@ import logging
 
 import grpc
 
-from model_worker.engine import Engine, RequestOutput, SamplingParams
+from model_worker.engine import Engine
 from model_worker.prefix_cache import CacheRequest, L2Lease
+from model_worker.request import RequestOutput, SamplingParams
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -70,4 +71,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        page_size=info.page_size),
             model_path=self._model_path, max_running_requests=self._max_running,
             running_requests=load.running, waiting_requests=load.waiting, kv_pages_used=load.pages_used,
-            kv_pages_total=load.pages_total, kv_pages_cached=load.pages_cached)
+            kv_pages_total=load.pages_total, kv_pages_cached=load.pages_cached,
+            kvcached_segment=self._engine.kvcache.segment_name if self._engine.kvcache is not None else "")

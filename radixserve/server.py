@@ -83,8 +83,8 @@ def _guard_unary(fn, method: str):
     async def guarded(request, context):
         try:
             return await fn(request, context)
-        except (ServiceError, Exception) as exc:
-            if isinstance(exc, asyncio.CancelledError) or _is_abort(exc):
+        except Exception as exc:  # CancelledError is a BaseException: it passes through
+            if _is_abort(exc):
                 raise
             await _abort_for(exc, context, method)
     return guarded
@@ -95,7 +95,7 @@ def _guard_stream(fn, method: str):
         try:
             async for item in fn(request, context):
                 yield item
-        except (ServiceError, Exception) as exc:
+        except Exception as exc:
             if _is_abort(exc):
                 raise
             await _abort_for(exc, context, method)

@@ -32,8 +32,12 @@ async def run(config: RouterConfig) -> None:
     if config.kvcached and not config.disable_radix_cache:
         matcher = PrefixMatcher(config.kvcached, model.fingerprint, config.kvcached_timeout_ms / 1e3,
                                 config.lease_ttl_ms, config.prefetch_policy, config.prefetch_timeout_ms / 1e3)
-    log.info(f"Radix cache enabled, kvcached at {config.kvcached}, prefetch policy {config.prefetch_policy} "
-             f"(timeout {config.prefetch_timeout_ms} ms)" if matcher else "Radix cache disabled")
+    if matcher:
+        log.info("Radix cache enabled", extra={"kvcached": config.kvcached,
+                                               "prefetch_policy": str(config.prefetch_policy),
+                                               "prefetch_timeout_ms": config.prefetch_timeout_ms})
+    else:
+        log.info("Radix cache disabled")
     servicer = RouterServicer(pool, tokenizer, limits, matcher)
     await serve("router", config.host, config.port, config.metrics_port,
                 [ServiceSpec(servicer, router_pb2_grpc.add_RouterServicer_to_server, "radixserve.v1.Router")],

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, worker_pb2
+from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, worker_pb2
 from router import metrics
 from router.config import PrefetchPolicy
 
@@ -41,7 +41,7 @@ class Reuse:
 class PrefixMatcher:
     def __init__(self, address: str, fingerprint: str, timeout_s: float, lease_ttl_ms: int, policy: PrefetchPolicy,
                  prefetch_timeout_s: float):
-        self._stub = kvcached_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(address))
+        self._stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(address))
         self._address = address
         self._fingerprint = fingerprint
         self._timeout_s = timeout_s
@@ -81,8 +81,8 @@ class PrefixMatcher:
             (metrics.prefetch_hit if loaded >= l3_pages else metrics.prefetch_miss).inc()
 
     async def _match(self, token_ids: list[int], cache_salt: str, prefetch: bool
-                     ) -> kvcached_pb2.MatchPrefixResponse | None:
-        request = kvcached_pb2.MatchPrefixRequest(model_fingerprint=self._fingerprint, cache_salt=cache_salt,
+                     ) -> kvcache_pb2.MatchPrefixResponse | None:
+        request = kvcache_pb2.MatchPrefixRequest(model_fingerprint=self._fingerprint, cache_salt=cache_salt,
                                                   token_ids=token_ids, lease=True, lease_ttl_ms=self._lease_ttl_ms,
                                                   prefetch=prefetch)
         return await self._call("match", self._stub.MatchPrefix, request, self._timeout_s)
@@ -90,13 +90,13 @@ class PrefixMatcher:
     async def _wait(self, prefetch_id: str, budget_s: float) -> None:
         metrics.prefetch_queue_size.inc()
         try:
-            request = kvcached_pb2.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=int(budget_s * 1e3))
+            request = kvcache_pb2.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=int(budget_s * 1e3))
             await self._call("wait_prefetch", self._stub.WaitPrefetch, request, budget_s + self._timeout_s)
         finally:
             metrics.prefetch_queue_size.dec()
 
     async def _release(self, lease_id: str) -> None:
-        await self._call("release", self._stub.ReleaseLease, kvcached_pb2.ReleaseLeaseRequest(lease_id=lease_id),
+        await self._call("release", self._stub.ReleaseLease, kvcache_pb2.ReleaseLeaseRequest(lease_id=lease_id),
                          self._timeout_s)
 
     async def _call(self, op: str, method, request, timeout_s: float):
@@ -109,7 +109,7 @@ class PrefixMatcher:
             return None
 
 
-def _lease(match: kvcached_pb2.MatchPrefixResponse) -> worker_pb2.L2Lease | None:
+def _lease(match: kvcache_pb2.MatchPrefixResponse) -> worker_pb2.L2Lease | None:
     if not match.lease_id:
         return None
     return worker_pb2.L2Lease(lease_id=match.lease_id, segment_name=match.segment_name, slots=match.l2_slots)

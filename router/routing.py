@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvcached.keys import BlockHash
+from radixserve.blocks.keys import BlockHash
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.routing")

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvcached.keys import BlockHash, block_hashes, namespace_key
+from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics

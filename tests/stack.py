@@ -1,72 +1,48 @@
-"""Starting the real processes for end-to-end tests on free loopback ports, each logging to a file."""
+"""End-to-end test helpers over `radixserve.launch.LocalServices`: stubs, stats, one started stack, test prompts."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
+import os
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from radixserve.launch import Stack
-from radixserve.v1 import kvcached_pb2, kvcached_pb2_grpc, router_pb2_grpc, worker_pb2_grpc
+from radixserve.blocks.slab import SHM_DIR, segment_pid
+from radixserve.launch import LocalServices
+from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
-REPO = Path(__file__).resolve().parent.parent
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Processes:
-    """A `Stack` plus the log directory; each `start_*` returns the new service's address."""
-
-    log_dir: Path
-    stack: Stack = field(default_factory=Stack)
-
-    def start(self, module: str, name: str, args: list[str]) -> str:
-        port = free_port()
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            self.stack.start(module, port, ["--metrics-port", "0", *args], stdout=log, stderr=subprocess.STDOUT,
-                             cwd=REPO)
-        return f"127.0.0.1:{port}"
-
-    def kvcached(self, name: str = "kvcached", args: list[str] = ()) -> str:
-        """A daemon with its own disk tier under the log directory (restarts with the same name find it)."""
-        disk = ["--disk-cache-path", str(self.log_dir / f"{name}-l3"), "--disk-cache-size-gb", "1"]
-        return self.start("kvcached", name, ["--host-cache-size-gb", "0.5", *disk, *args])
-
-    def worker(self, kvcached: str, name: str = "worker", args: list[str] = ()) -> str:
-        return self.start("model_worker", name, ["--kvcached", kvcached, "--l1-cache-size-gb", "0.25", *args])
-
-    def router(self, workers: list[str], kvcached: str, name: str = "router", args: list[str] = ()) -> str:
-        worker_flags = [flag for w in workers for flag in ("--worker", w)]
-        return self.start("router", name, [*worker_flags, "--kvcached", kvcached, *args])
-
-    def kvcached_and_two_workers(self) -> tuple[str, str, str]:
-        """kvcached, then worker_a and worker_b sharing it: the addresses, in that order."""
-        kvcached = self.kvcached()
-        return kvcached, self.worker(kvcached, "worker_a"), self.worker(kvcached, "worker_b")
-
-    def stop(self) -> None:
-        self.stack.stop()
+PAGE = 16  # the services' default page size
+GREEDY = router_pb2.SamplingParams(temperature=0, max_new_tokens=12)
+SENTENCES = ["The river bends twice before it reaches the old mill.", "Every lamp in the square was lit at dusk.",
+             "A ledger of harvests lay open on the table.", "Wind from the north carried the smell of salt.",
+             "The clockmaker repaired the tower bell in spring.", "Children counted boats from the harbour wall."]
 
 
-def wait_for(condition, timeout_s: float = 20) -> bool:
-    """Polls `condition()` until it holds (True) or `timeout_s` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+def document(seed: int, sentences: int = 40) -> str:
+    """A distinct document per seed: the record number comes first, so no two seeds share a cached page."""
+    picks = (SENTENCES[(seed * 7 + i * (seed + 1)) % len(SENTENCES)] for i in range(sentences))
+    return f"Record {seed}. " + " ".join(picks)
+
+
+def ask(doc: str, question: str) -> list[router_pb2.ChatMessage]:
+    return [router_pb2.ChatMessage(role="system", content="Answer from this document.\n" + doc),
+            router_pb2.ChatMessage(role="user", content=question)]
+
+
+def generate(router: str, messages) -> router_pb2.GenerateResponse:
+    """One greedy, unstreamed answer."""
+    (response,) = router_stub(router).Generate(router_pb2.GenerateRequest(messages=messages, sampling=GREEDY),
+                                               timeout=120)
+    return response
+
+
+def segments_of(pids: set[int]) -> set[str]:
+    """The shared-memory segments in /dev/shm that processes `pids` created."""
+    return {name for name in os.listdir(SHM_DIR) if segment_pid(name) in pids}
 
 
 def cached_blocks(kvcached: str) -> int:
@@ -81,8 +57,8 @@ def worker_stub(address: str) -> worker_pb2_grpc.WorkerStub:
     return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
 
 
-def kvcached_stats(address: str) -> kvcached_pb2.KVCacheStats:
-    return kvcached_pb2_grpc.KVCacheStub(grpc.insecure_channel(address)).GetStats(kvcached_pb2.GetStatsRequest(),
+def kvcached_stats(address: str) -> kvcache_pb2.KVCacheStats:
+    return kvcache_pb2_grpc.KVCacheStub(grpc.insecure_channel(address)).GetStats(kvcache_pb2.GetStatsRequest(),
                                                                                   timeout=5)
 
 
@@ -90,7 +66,7 @@ def kvcached_stats(address: str) -> kvcached_pb2.KVCacheStats:
 class RunningStack:
     """kvcached, one worker and a router."""
 
-    processes: Processes
+    services: LocalServices
     kvcached_address: str
     worker_address: str
     router_address: str
@@ -103,11 +79,11 @@ class RunningStack:
 
 
 def start_stack(log_dir: Path) -> RunningStack:
-    processes = Processes(log_dir)
+    services = LocalServices(log_dir)
     try:
-        kvcached = processes.kvcached()
-        worker = processes.worker(kvcached)
-        return RunningStack(processes, kvcached, worker, processes.router([worker], kvcached))
+        kvcached = services.kvcached()
+        worker = services.worker(kvcached)
+        return RunningStack(services, kvcached, worker, services.router([worker], kvcached))
     except BaseException:
-        processes.stop()
+        services.stop()
         raise

@@ -5,23 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached.tiers.dram_shm import SlabPool, new_segment_name
-from model_worker.block_copy import CudaBlockCopy, HostBlockCopy, block_copy_for
+from kvcached.tiers.dram_shm import SlabPool
+from model_worker.block_copy import CudaBlockCopy, HostBlockCopy, block_copy_for, slab_blocks
 from model_worker.kv_pool import KVPool
+from radixserve.blocks.geometry import BlockGeometry
+from radixserve.blocks.slab import new_segment_name
 
-SHAPE = (2, 2, 4, 1, 2)  # layers, K/V, page, kv heads, head dim
+GEOMETRY = BlockGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4, dtype="bfloat16")
+SHAPE = GEOMETRY.block_shape
 
 
 @pytest.fixture
 def shm():
-    pool = SlabPool.create(new_segment_name(), torch.Size(SHAPE).numel() * 2, 3)
+    pool = SlabPool.create(new_segment_name(), GEOMETRY.block_bytes, 3)
     yield pool
     pool.close()
     pool.unlink()
 
 
 def blocks_of(shm: SlabPool) -> torch.Tensor:
-    return torch.frombuffer(shm.buffer, dtype=torch.bfloat16).view(3, *SHAPE)
+    blocks = slab_blocks(shm.segment, GEOMETRY)
+    assert blocks.shape == (3, *SHAPE)
+    return blocks
 
 
 def test_cpu_pool_gets_the_memmove_copy():
@@ -30,7 +35,7 @@ def test_cpu_pool_gets_the_memmove_copy():
 
 def test_host_copy_moves_one_block_exactly_both_ways(shm):
     shm_blocks = blocks_of(shm)
-    pool = KVPool(4, *SHAPE[:1], SHAPE[2], SHAPE[3], SHAPE[4], torch.bfloat16)
+    pool = KVPool(4, GEOMETRY)
     copy = block_copy_for(pool.kv.device)
     shm_blocks[1] = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.bfloat16).view(SHAPE)
     copy.copy(pool.kv[2], shm_blocks[1])
@@ -45,7 +50,7 @@ def test_host_copy_moves_one_block_exactly_both_ways(shm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copy_from_pinned_shared_memory_is_exact(shm):
     shm_blocks = blocks_of(shm)
-    pool = KVPool(4, *SHAPE[:1], SHAPE[2], SHAPE[3], SHAPE[4], torch.bfloat16, device="cuda")
+    pool = KVPool(4, GEOMETRY, device="cuda")
     copy = block_copy_for(pool.kv.device)
     assert isinstance(copy, CudaBlockCopy)
     copy.pin(shm_blocks)

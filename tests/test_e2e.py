@@ -22,7 +22,7 @@ GREEDY = router_pb2.SamplingParams(temperature=0, max_new_tokens=24)
 def stack(tmp_path_factory):
     running = start_stack(tmp_path_factory.mktemp("logs"))
     yield running
-    running.processes.stop()
+    running.services.stop()
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess:

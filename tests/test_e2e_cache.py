@@ -7,40 +7,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from radixserve.launch import LocalServices, wait_for
 from radixserve.v1 import router_pb2
-from kvcached.tiers.dram_shm import segment_pid
-from tests.stack import REPO, Processes, cached_blocks, router_stub, wait_for
+from tests.stack import PAGE, ask, cached_blocks, document, generate, router_stub, segments_of
 
 pytestmark = pytest.mark.e2e
-
-PAGE = 16
-GREEDY = router_pb2.SamplingParams(temperature=0, max_new_tokens=12)
-SENTENCES = ["The river bends twice before it reaches the old mill.", "Every lamp in the square was lit at dusk.",
-             "A ledger of harvests lay open on the table.", "Wind from the north carried the smell of salt.",
-             "The clockmaker repaired the tower bell in spring.", "Children counted boats from the harbour wall."]
-
-
-def document(seed: int, sentences: int = 40) -> str:
-    """A distinct document per seed: the record number comes first, so no two seeds share a cached page."""
-    return f"Record {seed}. " + " ".join(SENTENCES[(seed * 7 + i * (seed + 1)) % len(SENTENCES)] for i in range(sentences))
-
-
-def ask(doc: str, question: str) -> list[router_pb2.ChatMessage]:
-    return [router_pb2.ChatMessage(role="system", content="Answer from this document.\n" + doc),
-            router_pb2.ChatMessage(role="user", content=question)]
-
-
-def generate(router: str, messages) -> router_pb2.GenerateResponse:
-    (response,) = router_stub(router).Generate(router_pb2.GenerateRequest(messages=messages, sampling=GREEDY),
-                                               timeout=120)
-    return response
-
 
 def shared_full_page_tokens(router: str, a, b) -> int:
     tokenize = router_stub(router).Tokenize
@@ -50,26 +27,22 @@ def shared_full_page_tokens(router: str, a, b) -> int:
     return common // PAGE * PAGE
 
 
-def segments_of(pids: set[int]) -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if segment_pid(name) in pids}
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    processes = Processes(tmp_path_factory.mktemp("logs"))
+    services = LocalServices(tmp_path_factory.mktemp("logs"))
     try:
-        kvcached, worker_a, worker_b = processes.kvcached_and_two_workers()
-        routers = {"a": processes.router([worker_a], kvcached, "router_a"),
-                   "b": processes.router([worker_b], kvcached, "router_b"),
-                   "off": processes.router([worker_a], kvcached, "router_off", ["--disable-radix-cache"]),
-                   "both": processes.router([worker_b, worker_a], kvcached, "router_both")}
-        yield processes, kvcached, routers
+        kvcached, worker_a, worker_b = services.kvcached_and_two_workers()
+        routers = {"a": services.router([worker_a], kvcached, "router_a"),
+                   "b": services.router([worker_b], kvcached, "router_b"),
+                   "off": services.router([worker_a], kvcached, "router_off", ["--disable-radix-cache"]),
+                   "both": services.router([worker_b, worker_a], kvcached, "router_both")}
+        yield services, kvcached, routers, (worker_a, worker_b)
     finally:
-        processes.stop()
+        services.stop()
 
 
 def test_second_request_reuses_the_shared_prefix_with_equal_output(cluster):
-    _, _, routers = cluster
+    _, _, routers, _ = cluster
     first, second = ask(document(1), "What lies on the table?"), ask(document(1), "What was lit at dusk?")
     generate(routers["a"], first)
     hit = generate(routers["a"], second)
@@ -83,7 +56,7 @@ def test_second_request_reuses_the_shared_prefix_with_equal_output(cluster):
 
 
 def test_prefix_computed_by_worker_a_is_reused_by_worker_b(cluster):
-    _, kvcached, routers = cluster
+    _, kvcached, routers, _ = cluster
     prompt = ask(document(2), "Where does the river bend?")
     before = cached_blocks(kvcached)
     on_a = generate(routers["a"], prompt)
@@ -96,7 +69,7 @@ def test_prefix_computed_by_worker_a_is_reused_by_worker_b(cluster):
 
 
 def test_router_sends_a_prompt_to_the_worker_that_holds_its_prefix(cluster):
-    _, _, routers = cluster
+    _, _, routers, _ = cluster
     long_run = router_pb2.GenerateRequest(messages=ask(document(30), "Count the boats."), stream=True,
                                           sampling=router_pb2.SamplingParams(temperature=0, max_new_tokens=40))
     busy = router_stub(routers["both"]).Generate(long_run, timeout=120)
@@ -110,24 +83,21 @@ def test_router_sends_a_prompt_to_the_worker_that_holds_its_prefix(cluster):
 
 
 def test_kill_9_kvcached_mid_stream_then_restart_brings_hits_back(cluster):
-    processes, kvcached, routers = cluster
-    daemon = next(p for p in processes.stack.processes if p.args[2] == "kvcached")
+    services, kvcached, routers, workers = cluster
+    daemon = services.processes["kvcached"]
     prompts = [ask(document(3 + i), "Who repaired the bell?") for i in range(6)]
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(generate, routers["a" if i % 2 else "b"], p) for i, p in enumerate(prompts)]
         time.sleep(1.0)
-        daemon.send_signal(signal.SIGKILL)
-        daemon.wait()
+        services.stop_service("kvcached", signal.SIGKILL)
         answers = [f.result() for f in futures]
     assert all(a.finish_reason in ("stop", "length") and a.token_ids for a in answers)
 
-    processes.stack.processes.remove(daemon)
-    port = int(kvcached.rsplit(":", 1)[1])
-    with open(processes.log_dir / "kvcached-restarted.log", "ab") as log:
-        restarted = processes.stack.start("kvcached", port, ["--metrics-port", "0", "--host-cache-size-gb", "0.5"],
-                                          stdout=log, cwd=REPO)
+    services.start_again("kvcached")
+    restarted = services.processes["kvcached"]
+    assert services.workers_registered(list(workers))
     hits = []
-    for seed in range(20, 23):  # the first commit after a restart may find the worker attached to the dead pool
+    for seed in range(20, 23):  # a commit racing the restart may still have gone to the dead pool
         prompt = ask(document(seed), "What did the children count?")
         pages = generate(routers["b"], prompt).usage.prompt_tokens // PAGE
         wait_for(lambda: cached_blocks(kvcached) >= pages, timeout_s=5)
@@ -136,5 +106,5 @@ def test_kill_9_kvcached_mid_stream_then_restart_brings_hits_back(cluster):
             break
     assert hits[-1] > 0, hits
 
-    processes.stop()
+    services.stop()
     assert segments_of({daemon.pid, restarted.pid}) == set()

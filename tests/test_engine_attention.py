@@ -3,6 +3,7 @@ import torch
 
 from model_worker.attention import Chunk, SdpaBackend, flash_metadata, select_backend
 from model_worker.kv_pool import KVPool
+from radixserve.blocks.geometry import BlockGeometry
 
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 8, 4
 
@@ -24,7 +25,7 @@ CASES = [[(0, 6), (5, 3), (9, 1), (2, 1)], [(3, 1), (7, 1)], [(0, 1)], [(4, 4)],
 @pytest.mark.parametrize("layout", CASES)
 def test_sdpa_backend_matches_naive_attention(layout):
     torch.manual_seed(0)
-    pool = KVPool(32, 2, PAGE, KV_HEADS, DIM, torch.float32)
+    pool = KVPool(32, BlockGeometry(2, KV_HEADS, DIM, PAGE, "float32"))
     backend = SdpaBackend(pool, HEADS, KV_HEADS, DIM)
     chunks, full_k, full_v = [], [], []
     for i, (start, length) in enumerate(layout):
@@ -62,7 +63,7 @@ def test_flash_metadata():
 
 
 def test_select_backend_falls_back_to_sdpa_on_cpu():
-    pool = KVPool(2, 1, PAGE, KV_HEADS, DIM, torch.float32)
+    pool = KVPool(2, BlockGeometry(1, KV_HEADS, DIM, PAGE, "float32"))
     assert isinstance(select_backend(pool, HEADS, KV_HEADS, DIM), SdpaBackend)
 
 
@@ -73,7 +74,7 @@ def test_flash_backend_matches_sdpa_on_cuda():
     from model_worker.attention import FlashAttentionBackend
 
     torch.manual_seed(0)
-    pool = KVPool(8, 1, 256, KV_HEADS, DIM, torch.bfloat16, "cuda")
+    pool = KVPool(8, BlockGeometry(1, KV_HEADS, DIM, 256, "bfloat16"), "cuda")
     pool.ensure_capacity("a", 300)
     pool.ensure_capacity("b", 1)
     chunks = [Chunk(pool.block_table("a"), 0, 300), Chunk(pool.block_table("b"), 0, 1)]

@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from model_worker.kv_pool import KVPool, OutOfPages, pages_for_budget, pages_for_tokens
+from radixserve.blocks.geometry import BlockGeometry
 
 
 def make_pool(num_pages: int = 6) -> KVPool:
-    return KVPool(num_pages, num_layers=2, page_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32)
+    return KVPool(num_pages, BlockGeometry(num_layers=2, num_kv_heads=2, head_dim=3, page_size=4, dtype="float32"))
 
 
 def test_allocate_free_exact_ids_and_fifo_reuse():
@@ -78,8 +79,8 @@ def test_write_lands_in_page_first_layout_and_page_view_is_contiguous():
 
 def test_sizes():
     assert [pages_for_tokens(n, 4) for n in (0, 1, 4, 5)] == [0, 1, 1, 2]
-    # SmolLM2 in bfloat16: 368 KiB per 16-token page (DESIGN.md)
-    assert pages_for_budget(368 * 1024 * 10 / (1 << 30), 30, 16, 3, 64, torch.bfloat16) == 10
+    # SmolLM2 in bfloat16: 368 KiB per 16-token page (docs/design.md)
+    assert pages_for_budget(368 * 1024 * 10 / (1 << 30), BlockGeometry(30, 3, 64, 16, "bfloat16")) == 10
     with pytest.raises(ValueError):
-        KVPool(0, 1, 4, 1, 1, torch.float32)
+        KVPool(0, BlockGeometry(1, 1, 1, 4, "float32"))
 

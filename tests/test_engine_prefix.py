@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from model_worker.engine import Engine, RequestOutput
+from model_worker.engine import Engine
 from model_worker.metrics import EngineCollector
 from model_worker.prefix_cache import CacheRequest
-from tests.test_engine_tiny import GREEDY, make_engine, run_until_idle
+from model_worker.request import RequestOutput
+from tests.engine_helpers import GREEDY, make_engine, run_until_idle
 
 SHARED = list(range(100, 130))  # 30 tokens: 7 full pages of 4, and 2 tokens over
 PROMPT_A = SHARED + [7, 8, 9]

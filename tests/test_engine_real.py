@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from model_worker.engine import Engine, EngineConfig, SamplingParams
+from model_worker.config import EngineConfig
+from model_worker.engine import Engine
 from model_worker.model import UpcastLinear
-from tests.test_engine_tiny import prefill_logits
+from model_worker.request import SamplingParams
+from tests.engine_helpers import prefill_logits
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
@@ -19,7 +21,7 @@ def real_engines(real_model_dir):
 
     def get(dtype: str) -> Engine:
         if dtype not in engines:
-            engines[dtype] = Engine(real_model_dir, EngineConfig(dtype=dtype, num_pages=256))
+            engines[dtype] = Engine(real_model_dir, EngineConfig(dtype=dtype, num_pages=256, kvcached=""))
         return engines[dtype]
 
     return get

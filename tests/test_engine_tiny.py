@@ -3,34 +3,17 @@
 import pytest
 import torch
 
-from model_worker.attention import Chunk
-from model_worker.engine import (DType, Engine, EngineConfig, RequestOutput, SamplingParams, cpu_supports_bf16,
-                                 resolve_dtype)
+from model_worker.config import DType, EngineConfig
+from model_worker.engine import Engine, cpu_supports_bf16, resolve_dtype
+from model_worker.request import RequestOutput, SamplingParams
+from tests.engine_helpers import GREEDY, make_engine, prefill_logits, run_until_idle
 
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(100, 140)), [5, 6, 7], list(range(300, 317)), list(range(1000, 1024, 2))]
-
-
-def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(model_dir, EngineConfig(**{"page_size": 4, "num_pages": 64, "dtype": "float32", **overrides}))
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> Engine:
     return make_engine(tiny_llama_dir)
-
-
-def prefill_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits of every position, prefilling `ids` through the pool `chunk` tokens at a time."""
-    rows = []
-    for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
-        engine.pool.ensure_capacity("probe", start + len(part))
-        meta = engine.backend.prepare([Chunk(engine.pool.block_table("probe"), start, len(part))])
-        rows.append(engine.model(torch.tensor(part), torch.arange(start, start + len(part)), meta,
-                                 torch.arange(len(part))))
-    engine.pool.release("probe")
-    return torch.cat(rows)
 
 
 def hf_model(model_dir):
@@ -83,13 +66,6 @@ def collect(engine: Engine, request_id: str, prompt, sampling) -> list[RequestOu
     outputs: list[RequestOutput] = []
     engine.add_request(request_id, prompt, sampling, outputs.append)
     return outputs
-
-
-def run_until_idle(engine: Engine) -> int:
-    steps = 0
-    while engine.step():
-        steps += 1
-    return steps
 
 
 def test_outputs_timings_and_length(engine):
@@ -147,7 +123,7 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_llama_dir):
 
 
 def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
-    engine = Engine(tiny_llama_dir, EngineConfig(page_size=4, num_pages=8, max_running_requests=3, dtype="float32"))
+    engine = make_engine(tiny_llama_dir, num_pages=8, max_running_requests=3)
     # each needs pages_for(17 + 12 - 1) = 7 pages: only one fits at a time
     outputs = [collect(engine, f"r{i}", PROMPTS[2], GREEDY) for i in range(3)]
     max_running = 0
@@ -192,7 +168,7 @@ def test_info(engine, tiny_llama_dir, tokenizer):
     assert (info.dtype, info.max_context, info.vocab_size, info.page_size, info.eos_token_ids) == \
         ("float32", 512, len(tokenizer), 4, (2,))
     assert len(info.fingerprint) == 64
-    other = Engine(tiny_llama_dir, EngineConfig(page_size=8, num_pages=8, dtype="float32"))
+    other = make_engine(tiny_llama_dir, page_size=8, num_pages=8)
     assert other.info.fingerprint != info.fingerprint
 
 
@@ -200,7 +176,7 @@ def test_config_validation_and_auto_dtype():
     expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
     assert resolve_dtype(DType.AUTO, torch.device("cpu")) is expected
     assert EngineConfig(dtype="bfloat16").dtype is DType.BFLOAT16
-    for bad in (dict(dtype="float16"), dict(page_size=0), dict(num_pages=0, kv_cache_gb=0)):
+    for bad in (dict(dtype="float16"), dict(page_size=0), dict(num_pages=0, l1_cache_size_gb=0)):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=0)):

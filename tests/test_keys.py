@@ -3,7 +3,7 @@ from hashlib import blake2b
 
 import pytest
 
-from kvcached.keys import DIGEST_BYTES, block_hashes, namespace_key
+from radixserve.blocks.keys import DIGEST_BYTES, block_hashes, namespace_key
 
 NS = namespace_key("smollm2-135m/bf16/ps4", "")
 

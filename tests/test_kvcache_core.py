@@ -9,59 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvcached.cache import (
-    Commit,
-    Conflict,
-    Exhausted,
-    Geometry,
-    InvalidRequest,
-    KVCache,
-    Match,
-    NotFound,
-)
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SHM_DIR
+from kvcached.cache import Commit, Conflict, Exhausted, InvalidRequest, KVCache, Match, NotFound
+from radixserve.blocks.slab import SEGMENT_PREFIX, SHM_DIR
+from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
-
-PAGE = 4
-GEO = Geometry(num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", layout="page-first")
-BLOCK = 2 * 2 * PAGE * 1 * 4 * 4  # layers * (K, V) * page * heads * head_dim * float32 = 256 bytes
-SLOTS = 8
-TTL = 10.0
-FP = "model-a"
-
-
-def toks(*page_ids: int, tail: int = 0) -> list[int]:
-    """A prompt whose i-th page is four copies of page_ids[i], plus `tail` tokens of a partial page."""
-    return [t for p in page_ids for t in [p] * PAGE] + [99] * tail
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Checked:
-    """Forwards to a KVCache and runs `check_integrity()` after every public call, also one that raised."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.raw = cache
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.raw, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
-
-        def checked(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.raw.check_integrity()
-        return checked
-
 
 def ours() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")}
@@ -131,7 +83,7 @@ def test_namespaces_get_separate_pools(cache):
     (dict(dtype="bfloat16"), Conflict, "registered with"),
     (dict(layout="layer-first"), Conflict, "registered with"),
     (dict(page_size=8), Conflict, "page_size 8 != kvcached --page-size 4"),
-    (dict(dtype="int8"), InvalidRequest, "dtype 'int8'"),
+    (dict(dtype="int8"), ValueError, "dtype 'int8'"),  # BlockGeometry refuses it before register sees it
 ])
 def test_register_disagreeing_with_existing_namespace(cache, ns, change, error, message):
     before = state(cache)
@@ -143,11 +95,11 @@ def test_register_disagreeing_with_existing_namespace(cache, ns, change, error, 
 
 @pytest.mark.parametrize("fingerprint, change, error, message", [
     ("m", dict(page_size=16), Conflict, "page_size 16"),
-    ("m", dict(dtype="float64"), InvalidRequest, "dtype 'float64'"),
-    ("m", dict(dtype=""), InvalidRequest, "dtype ''"),
-    ("m", dict(num_layers=0), InvalidRequest, "must be set"),
-    ("m", dict(num_kv_heads=0), InvalidRequest, "must be set"),
-    ("m", dict(head_dim=0), InvalidRequest, "must be set"),
+    ("m", dict(dtype="float64"), ValueError, "dtype 'float64'"),
+    ("m", dict(dtype=""), ValueError, "dtype ''"),
+    ("m", dict(num_layers=0), ValueError, "must be >= 1"),
+    ("m", dict(num_kv_heads=0), ValueError, "must be >= 1"),
+    ("m", dict(head_dim=0), ValueError, "must be >= 1"),
     ("", {}, InvalidRequest, "must be set"),
     ("m", dict(num_layers=SLOTS + 1, head_dim=SLOTS * 4), InvalidRequest, "larger than the whole L2 pool"),
 ])

@@ -11,11 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcached.__main__ import DISK_HEALTH
-from radixserve.launch import Stack
-from radixserve.v1 import kvcached_pb2 as pb
-from radixserve.v1 import kvcached_pb2_grpc
-from tests.stack import REPO, free_port
-from tests.test_kvcached_service import GEO, PAGE, toks
+from radixserve.launch import REPO, Stack, free_port
+from radixserve.v1 import kvcache_pb2 as pb
+from radixserve.v1 import kvcache_pb2_grpc
+from tests.kvcache_helpers import DAEMON_GEO, PAGE, toks
 
 FP = "ab" * 32
 
@@ -31,12 +30,12 @@ def stack():
         yield running
 
 
-def start(stack: Stack, tmp_path, disk_path, *extra: str) -> kvcached_pb2_grpc.KVCacheStub:
+def start(stack: Stack, tmp_path, disk_path, *extra: str) -> kvcache_pb2_grpc.KVCacheStub:
     port = free_port()
     with open(tmp_path / f"kvcached-{port}.log", "ab") as log:
         stack.start("kvcached", port, daemon_args(disk_path, *extra), timeout_s=60, stdout=log,
                     stderr=subprocess.STDOUT, cwd=REPO)
-    return kvcached_pb2_grpc.KVCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    return kvcache_pb2_grpc.KVCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
 def test_unwritable_disk_path_is_a_clear_start_up_error(tmp_path):
@@ -55,14 +54,14 @@ def test_optional_disk_tier_runs_without_it(stack, tmp_path):
     assert kv.GetStats(pb.GetStatsRequest()).disk.enabled is False
 
 
-def write_blocks(kv: kvcached_pb2_grpc.KVCacheStub, pages: int) -> None:
-    kv.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=FP, geometry=GEO))
+def write_blocks(kv: kvcache_pb2_grpc.KVCacheStub, pages: int) -> None:
+    kv.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=FP, geometry=DAEMON_GEO.to_pb()))
     allocation = kv.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=FP, count=pages))
     kv.CommitBlocks(pb.CommitBlocksRequest(model_fingerprint=FP, token_ids=toks(*range(1, pages + 1)),
                                            slots=allocation.slots, allocation_id=allocation.allocation_id))
 
 
-def wait_disk_blocks(kv: kvcached_pb2_grpc.KVCacheStub, n: int, timeout_s: float = 10) -> int:
+def wait_disk_blocks(kv: kvcache_pb2_grpc.KVCacheStub, n: int, timeout_s: float = 10) -> int:
     deadline = time.monotonic() + timeout_s
     while (blocks := kv.GetStats(pb.GetStatsRequest()).disk.blocks) < n and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -21,30 +21,22 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcached.tiers.dram_shm import SEGMENT_PREFIX, SHM_DIR, SlabPool
-from radixserve.launch import Stack
-from radixserve.v1 import kvcached_pb2 as pb
-from radixserve.v1 import kvcached_pb2_grpc
-from tests.stack import GRPCURL, REPO, free_port
+from radixserve.blocks.slab import SHM_DIR, SlabSegment
+from radixserve.launch import REPO, Stack, free_port
+from radixserve.v1 import common_pb2
+from radixserve.v1 import kvcache_pb2 as pb
+from radixserve.v1 import kvcache_pb2_grpc
+from tests.kvcache_helpers import DAEMON_GEO, PAGE, toks
+from tests.stack import GRPCURL, segments_of
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
 
-PAGE = 4
-GEO = pb.BlockGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=PAGE, dtype="float32", layout="page-first")
+GEO = DAEMON_GEO.to_pb()
 SLOT_BYTES = 4 * 2 * PAGE * 2 * 64 * 4  # layers * (K, V) * page * heads * head_dim * float32 = 16 KiB
 POOL_GB = 0.01
 NUM_SLOTS = int(POOL_GB * (1 << 30)) // SLOT_BYTES  # 655
 SMALL_POOL_GB = 4.5 * SLOT_BYTES / (1 << 30)  # 4 slots
 SHORT_TTL_S = 1.0  # short, yet long enough for a few RPCs on a loaded machine before anything expires
-
-
-def toks(*page_ids: int, tail: int = 0) -> list[int]:
-    """A prompt whose i-th page is four copies of page_ids[i], plus `tail` tokens of a partial page."""
-    return [t for p in page_ids for t in [p] * PAGE] + [99] * tail
-
-
-def segments_of(pid: int) -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{pid}_")}
 
 
 @dataclass
@@ -60,11 +52,11 @@ class Daemon:
         return f"127.0.0.1:{self.port}"
 
     @property
-    def stub(self) -> kvcached_pb2_grpc.KVCacheStub:
-        return kvcached_pb2_grpc.KVCacheStub(self.channel)
+    def stub(self) -> kvcache_pb2_grpc.KVCacheStub:
+        return kvcache_pb2_grpc.KVCacheStub(self.channel)
 
     def segments(self) -> set[str]:
-        return segments_of(self.process.pid)
+        return segments_of({self.process.pid})
 
     def serving(self) -> bool:
         check = health_pb2_grpc.HealthStub(self.channel).Check
@@ -120,7 +112,7 @@ class Daemons:
                 except subprocess.TimeoutExpired:
                     os.killpg(daemon.process.pid, signal.SIGKILL)
                     daemon.process.wait()
-            for name in segments_of(daemon.process.pid):  # a test failed before it could check this
+            for name in segments_of({daemon.process.pid}):  # a test failed before it could check this
                 os.unlink(os.path.join(SHM_DIR, name))
 
 
@@ -162,7 +154,7 @@ def fp(request) -> str:
 
 
 def register(daemon: Daemon, fingerprint: str, **geometry) -> pb.PoolHandle:
-    geo = pb.BlockGeometry()
+    geo = common_pb2.BlockGeometry()
     geo.CopyFrom(GEO)
     for key, value in geometry.items():
         setattr(geo, key, value)
@@ -228,7 +220,7 @@ def test_bytes_written_into_allocated_slots_read_back_after_match(daemon, fp):
     allocation = daemon.stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=3))
     assert len(allocation.slots) == 3
     blocks = [os.urandom(SLOT_BYTES) for _ in allocation.slots]
-    pool = SlabPool.attach(handle.segment_name, handle.slot_bytes, handle.num_slots)
+    pool = SlabSegment.attach(handle.segment_name, handle.slot_bytes, handle.num_slots)
     try:
         for slot, block in zip(allocation.slots, blocks):
             with pool.view(slot) as view:
@@ -291,16 +283,16 @@ BAD_CALLS = {
     "commit unknown namespace": (NOT_FOUND, "namespace 'nope' is not registered",
                                  lambda s, x: _commit(s, x, model_fingerprint="nope")),
     "geometry disagrees": (FAILED_PRECONDITION, "is registered with", lambda s, x: s.RegisterNamespace(
-        pb.RegisterNamespaceRequest(model_fingerprint=x.fp, geometry=pb.BlockGeometry(
+        pb.RegisterNamespaceRequest(model_fingerprint=x.fp, geometry=common_pb2.BlockGeometry(
             num_layers=4, num_kv_heads=2, head_dim=128, page_size=PAGE, dtype="float32", layout="page-first")))),
     "page size disagrees": (FAILED_PRECONDITION, "page_size 16 != kvcached --page-size 4", lambda s, x: (
-        s.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=pb.BlockGeometry(
+        s.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=common_pb2.BlockGeometry(
             num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float32", layout="page-first"))))),
     "bad dtype": (INVALID_ARGUMENT, "dtype 'int8' is not one of", lambda s, x: s.RegisterNamespace(
-        pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=pb.BlockGeometry(
+        pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=common_pb2.BlockGeometry(
             num_layers=4, num_kv_heads=2, head_dim=64, page_size=PAGE, dtype="int8", layout="page-first")))),
     "block larger than the pool": (INVALID_ARGUMENT, "larger than the whole L2 pool", lambda s, x: (
-        s.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=pb.BlockGeometry(
+        s.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint="other", geometry=common_pb2.BlockGeometry(
             num_layers=1000, num_kv_heads=32, head_dim=128, page_size=PAGE, dtype="float32", layout="x"))))),
     "slots not allocated": (INVALID_ARGUMENT, r"slots \[7777\] are not this allocation's",
                             lambda s, x: _commit(s, x, slots=[x.allocation.slots[0], 7777])),
@@ -437,7 +429,7 @@ def test_sigterm_exits_0_and_unlinks_its_pools(daemons):
     daemon = daemons.start()
     handles = [register(daemon, fp) for fp in ("a", "b")]
     assert daemon.segments() == {h.segment_name for h in handles}
-    pool = SlabPool.attach(handles[0].segment_name, SLOT_BYTES, NUM_SLOTS)  # a worker still attached
+    pool = SlabSegment.attach(handles[0].segment_name, SLOT_BYTES, NUM_SLOTS)  # a worker still attached
     try:
         daemon.process.send_signal(signal.SIGTERM)
         assert daemon.process.wait(15) == 0
@@ -455,9 +447,9 @@ def test_kill_9_leaves_segments_that_the_next_daemon_removes(daemons):
     # that takes the tracker too (its process group, an OOM kill of the cgroup, `docker kill`) leaves them behind.
     os.killpg(crashed.process.pid, signal.SIGKILL)
     assert crashed.process.wait(10) == -signal.SIGKILL
-    assert segments_of(crashed.process.pid) == names
+    assert segments_of({crashed.process.pid}) == names
 
     successor = daemons.start()
-    assert segments_of(crashed.process.pid) == set()
+    assert segments_of({crashed.process.pid}) == set()
     assert all(name in successor.log.read_text() for name in names)
     assert successor.serving()

@@ -12,7 +12,7 @@ from kvcached.__main__ import check_idle
 from kvcached.cache import KVCache
 from kvcached.l3 import L3, WritePolicy
 from kvcached.tiers.lmdb_tier import DiskTier
-from tests.test_kvcache_core import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
+from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
 
 
 @pytest.fixture

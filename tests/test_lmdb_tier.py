@@ -8,9 +8,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvcached.keys import BlockHash
 from kvcached.tiers.lmdb_tier import (
-    ROOT_PARENT,
     BlockMeta,
     DiskTier,
     DiskTierError,
@@ -18,22 +16,10 @@ from kvcached.tiers.lmdb_tier import (
     TierEvent,
     stored_bytes,
 )
+from tests.kvcache_helpers import NS, N, key, parent, payload
 
-NS, OTHER = "fp-a", "fp-b"
-N = 100  # payload bytes of one test block
+OTHER = "fp-b"
 SIZE = stored_bytes(NS, N)
-
-
-def key(i: int) -> BlockHash:
-    return BlockHash((i + 1).to_bytes(16, "big"))  # never ROOT_PARENT
-
-
-def parent(i: int) -> BlockHash:
-    return ROOT_PARENT if i == 0 else key(i - 1)
-
-
-def payload(i: int, n: int = N) -> bytes:
-    return bytes((i * 7 + j) % 256 for j in range(n))
 
 
 def put(tier: DiskTier, *ids: int, ns: str = NS, n: int = N) -> None:
@@ -217,7 +203,7 @@ def test_read_delay(tmp_path):
 WRITER = """
 import sys
 from kvcached.tiers.lmdb_tier import DiskTier
-from tests.test_lmdb_tier import NS, key, parent, payload
+from tests.kvcache_helpers import NS, key, parent, payload
 tier = DiskTier(sys.argv[1], budget_bytes=1 << 30, max_batch_blocks=8)
 for i in range(200_000):
     tier.put_async(NS, key(i), parent(i), payload(i, 8192))

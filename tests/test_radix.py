@@ -3,10 +3,10 @@ import itertools
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
-from kvcached.keys import block_hashes, namespace_key
-from kvcached.radix import InsertResult, MatchResult, RadixIndex
+from radixserve.blocks.keys import block_hashes, namespace_key
+from radixserve.blocks.radix import InsertResult, MatchResult, RadixIndex
 
 PAGE = 4
 NS = namespace_key("test-model", "")
@@ -37,7 +37,7 @@ def test_empty_index(index):
 
 
 def test_insert_then_match_prefixes(index):
-    assert index.insert(A, [10, 11, 12]) == InsertResult(0, 3, ())
+    assert index.insert(A, [10, 11, 12]) == InsertResult(0, 3, (), (10, 11, 12), None)
     assert index.match(A) == MatchResult(3, (10, 11, 12), None)
     assert index.match(A[:2]) == MatchResult(2, (10, 11), None)
     assert index.match(pages(1, 2, 3, 4)) == MatchResult(3, (10, 11, 12), None)
@@ -47,28 +47,61 @@ def test_insert_then_match_prefixes(index):
 
 def test_insert_shared_prefix_keeps_existing_slots(index):
     index.insert(A, [0, 1, 2])
-    assert index.insert(B, [5, 6, 7, 8]) == InsertResult(2, 2, (5, 6))
-    assert index.match(B).l2_slots == (0, 1, 7, 8)
-    assert index.match(A).l2_slots == (0, 1, 2)
+    assert index.insert(B, [5, 6, 7, 8]) == InsertResult(2, 2, (5, 6), (0, 1, 7, 8), None)
+    assert index.match(B).slots == (0, 1, 7, 8)
+    assert index.match(A).slots == (0, 1, 2)
     assert index.total_pages == 5
 
 
 def test_insert_of_cached_pages_takes_nothing(index):
     index.insert(A, [0, 1, 2])
-    assert index.insert(A[:2], [5, 6]) == InsertResult(2, 0, (5, 6))
+    assert index.insert(A[:2], [5, 6]) == InsertResult(2, 0, (5, 6), (0, 1), None)
     assert index.total_pages == 3
 
 
 def test_offering_a_cached_page_its_own_slot_counts_as_taken(index):
     index.insert(A, [0, 1, 2])
-    assert index.insert(B, [0, 1, 7, 8]) == InsertResult(2, 2, ())
-    assert index.insert(B, [0, 5, 7, 8]) == InsertResult(4, 0, (5,))
+    assert index.insert(B, [0, 1, 7, 8]) == InsertResult(2, 2, (), (0, 1, 7, 8), None)
+    assert index.insert(B, [0, 5, 7, 8]) == InsertResult(4, 0, (5,), (0, 1, 7, 8), None)
 
 
 def test_insert_extends_a_leaf(index):
     index.insert(A[:1], [0])
-    assert index.insert(A, [5, 1, 2]) == InsertResult(1, 2, (5,))
-    assert index.match(A).l2_slots == (0, 1, 2)
+    assert index.insert(A, [5, 1, 2]) == InsertResult(1, 2, (5,), (0, 1, 2), None)
+    assert index.match(A).slots == (0, 1, 2)
+
+
+def test_insert_after_a_cached_prefix_takes_slots_for_the_new_pages_only(index):
+    index.insert(A[:1], [0])
+    assert index.insert(B, [6, 7, 8], start=1) == InsertResult(1, 3, (), (0, 6, 7, 8), None)
+    assert index.insert(A, [9, 3], start=1) == InsertResult(2, 1, (9,), (0, 6, 3), None)  # page 2 is cached
+
+
+def test_insert_after_a_gap_inserts_nothing_and_returns_every_slot(index):
+    index.insert(A[:1], [0])
+    assert index.insert(B, [7, 8], start=2) == InsertResult(1, 0, (7, 8), (0,), None)
+    assert index.insert(B, [7, 8], start=2, lock=True).lease is None
+    assert index.total_pages == 1 and index.locked_pages == 0
+
+
+@pytest.mark.parametrize("start, slots", [(-1, [0, 1, 2, 3]), (4, [0]), (1, [0])])
+def test_insert_slots_must_cover_the_pages_after_start(index, start, slots):
+    with pytest.raises(ValueError, match="slots for the pages from"):
+        index.insert(A, slots, start=start)
+    assert index.total_pages == 0
+
+
+def test_insert_with_lock_pins_the_whole_path_and_share_pins_it_again(index):
+    index.insert(A[:1], [0])
+    result = index.insert(A, [1, 2], start=1, lock=True)
+    shared = index.share(result.lease)
+    assert index.locked_pages == 3 and index.evict(3) == []
+    index.unlock(result.lease)
+    assert index.evict(3) == []  # the shared lease still pins it
+    index.unlock(shared)
+    assert index.evict(3) == [2, 1, 0]
+    with pytest.raises(ValueError, match="already released"):
+        index.share(shared)
 
 
 def test_eviction_order_is_lru_leaf_first_far_end_first(index):
@@ -106,7 +139,7 @@ def test_partial_match_refreshes_the_whole_edge(index):
 def test_evict_n_pages_from_one_leaf(index, n, freed, left):
     index.insert(A, [0, 1, 2])
     assert index.evict(n) == freed
-    assert index.match(A).l2_slots == left
+    assert index.match(A).slots == left
     assert index.total_pages == len(left)
 
 
@@ -192,8 +225,8 @@ def test_bad_insert_raises_and_changes_nothing(index, hashes, slots, message):
 def test_reinsert_after_eviction_reuses_the_offered_slots(index):
     index.insert(A, [0, 1, 2])
     assert index.evict(2) == [2, 1]
-    assert index.insert(A, [1, 2, 3]) == InsertResult(1, 2, (1,))
-    assert index.match(A).l2_slots == (0, 2, 3)
+    assert index.insert(A, [1, 2, 3]) == InsertResult(1, 2, (1,), (0, 2, 3), None)
+    assert index.match(A).slots == (0, 2, 3)
 
 
 def test_heap_stays_bounded_under_repeated_matches(index):
@@ -229,17 +262,35 @@ class RadixAgainstReference(RuleBasedStateMachine):
     def cached_prefix(self, path: tuple) -> int:
         return next((k for k in range(len(path), 0, -1) if path[:k] in self.ref), 0)
 
-    @rule(path=PATHS, offer_cached_slots=st.booleans())
-    def insert(self, path, offer_cached_slots):
+    @rule(target=leases, path=PATHS, offer_cached_slots=st.booleans(), start=st.integers(0, 6), lock=st.booleans())
+    def insert(self, path, offer_cached_slots, start, lock):
+        start = min(start, len(path))
         slots = [next(self.next_slot) for _ in path]
         cached = self.cached_prefix(path)
+        kept = tuple(self.ref[path[:k + 1]] for k in range(cached))
         if offer_cached_slots:
-            slots[:cached] = [self.ref[path[:k + 1]] for k in range(cached)]
-        unused = () if offer_cached_slots else tuple(slots[:cached])
-        assert self.index.insert(pages(*path), slots) == InsertResult(cached, len(path) - cached, unused)
+            slots[:cached] = kept
+        result = self.index.insert(pages(*path), slots[start:], start=start, lock=lock)
+        if cached < start:  # a gap: nothing cached
+            assert result == InsertResult(cached, 0, tuple(slots[start:]), kept, None)
+            return multiple()
+        unused = () if offer_cached_slots else tuple(slots[start:cached])
+        assert result == InsertResult(cached, len(path) - cached, unused, kept + tuple(slots[cached:]),
+                                      result.lease)
+        assert (result.lease is not None) == lock
         for k in range(cached, len(path)):
             self.ref[path[:k + 1]] = slots[k]
             self.by_slot[slots[k]] = path[:k + 1]
+        if not lock:
+            return multiple()
+        self.pinned[result.lease] = path
+        return result.lease
+
+    @rule(target=leases, lease=leases)
+    def share(self, lease):
+        shared = self.index.share(lease)
+        self.pinned[shared] = self.pinned[lease]
+        return shared
 
     @rule(target=leases, path=PATHS)
     def match_and_lock(self, path):
@@ -254,7 +305,7 @@ class RadixAgainstReference(RuleBasedStateMachine):
     def check_match(self, path, lock):
         k = self.cached_prefix(path)
         result = self.index.match(pages(*path), lock=lock)
-        assert (result.pages, result.l2_slots) == (k, tuple(self.ref[path[:i + 1]] for i in range(k)))
+        assert (result.pages, result.slots) == (k, tuple(self.ref[path[:i + 1]] for i in range(k)))
         return result
 
     @rule(lease=consumes(leases))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.keys import BlockHash
+from radixserve.blocks.keys import BlockHash
 from radixserve.v1 import router_pb2, worker_pb2
 from router.routing import PrefixMemory, WorkerHandle, WorkerPool
 

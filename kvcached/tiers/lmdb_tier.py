@@ -1,7 +1,7 @@
 """L3: a size-bounded, LRU-evicted block store in one LMDB environment on local disk.
 
 One LMDB value holds one block: a header, the namespace (model fingerprint) and the block's bytes, under its
-16-byte chained block hash (`kvcached.keys`). The header carries the parent hash, so the daemon can rebuild its
+16-byte chained block hash (`radixserve.blocks.keys`). The header carries the parent hash, so the daemon can rebuild its
 radix index from `scan()` alone after a restart (a block is usable only if its whole chain to the root is present).
 
     value = magic "RSL3" | version u16 | ns_len u16 | payload_len u64 | xxh3 u64 | parent_hash 16B | ns | payload
@@ -58,7 +58,7 @@ from typing import NamedTuple, TypeVar
 import lmdb
 import xxhash
 
-from kvcached.keys import DIGEST_BYTES, BlockHash
+from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
 
 log = logging.getLogger("kvcached.tiers.lmdb")
 
@@ -222,7 +222,8 @@ class DiskTier:
         self._queue.put(_STOP)
         self._writer.join(timeout)
         if self._writer.is_alive():
-            log.warning("lmdb tier %s: writer still busy after %ss; not closing the environment", self.path, timeout)
+            log.warning("disk tier writer still busy; not closing the environment",
+                        extra={"path": self.path, "timeout_s": timeout})
             return False
         self._env.close()
         return True
@@ -383,7 +384,8 @@ class DiskTier:
         try:
             self._put_all(fresh)
         except lmdb.MapFullError:
-            log.warning("lmdb tier %s: map full after evicting; dropping %d blocks", self.path, len(fresh))
+            log.warning("disk tier map full after evicting; dropping blocks",
+                        extra={"path": self.path, "blocks": len(fresh)})
             self._count_dropped(len(fresh))
 
     def _fresh(self, puts: list[_Put]) -> list[tuple[bytes, bytes]]:
@@ -463,7 +465,8 @@ class DiskTier:
             self._queue.put(_WAKE)
 
     def _fault(self, what: str, exc: BaseException) -> None:
-        log.error("lmdb tier %s: %s failed: %s", self.path, what, exc)
+        log.error("disk tier operation failed; the tier turns unhealthy",
+                  extra={"path": self.path, "op": what, "error": str(exc)})
         with self._lock:
             self._healthy = False
             self._counts["io_errors"] += 1

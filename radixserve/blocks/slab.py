@@ -1,0 +1,97 @@
+"""The attach side of kvcached's L2: a slab segment of fixed-size slots in one POSIX shared-memory segment.
+
+kvcached creates each segment, owns its free list and unlinks it (`kvcached.tiers.dram_shm.SlabPool`); a worker
+attaches by name and reads or writes slot bytes. Which block a slot holds is the radix index's business.
+
+Segment names are `radixserve_<owner pid>_<8 hex>`, so a restarted daemon can remove the segments of a dead one.
+NOTE: on Linux a segment is a file in /dev/shm and outlives its processes until someone unlinks it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+SEGMENT_PREFIX = "radixserve_"
+SHM_DIR = "/dev/shm"
+
+
+class SlabSegment:
+    """`num_slots` slots of `slot_bytes` bytes each, slot i at byte offset `i * slot_bytes`, mapped into this process.
+
+    Views are memoryviews into the segment: release them (or drop them) before `close()`, which raises BufferError
+    while any is alive. Closing never unlinks: the segment stays until its owner unlinks it.
+    """
+
+    def __init__(self, shm: SharedMemory, slot_bytes: int, num_slots: int) -> None:
+        """Use `attach` (or `SlabPool.create` on the owner's side)."""
+        check_slab_geometry(slot_bytes, num_slots)
+        if shm.size < slot_bytes * num_slots:
+            shm.close()
+            raise ValueError(f"segment {shm.name} holds {shm.size} bytes, not {num_slots} x {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._shm = shm
+
+    @classmethod
+    def attach(cls, name: str, slot_bytes: int, num_slots: int) -> SlabSegment:
+        """Maps an existing segment. Raises FileNotFoundError when `name` does not exist, ValueError when it is not
+        kvcached's (see `is_segment_name`) or smaller than the geometry asks."""
+        if not is_segment_name(name):
+            raise ValueError(f"{name!r} is not a radixserve segment name")
+        check_slab_geometry(slot_bytes, num_slots)
+        return cls(_attach_untracked(name), slot_bytes, num_slots)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    @property
+    def buffer(self) -> memoryview:
+        """All slots as one memoryview, e.g. for `torch.frombuffer`; it counts as a view for `close()`."""
+        return self._shm.buf[: self.slot_bytes * self.num_slots]
+
+    def view(self, slot: int) -> memoryview:
+        """The bytes of `slot`, writable, shared with every process attached to the segment."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+        start = slot * self.slot_bytes
+        return self._shm.buf[start:start + self.slot_bytes]
+
+    def close(self) -> None:
+        """Unmaps the segment from this process."""
+        self._shm.close()
+
+
+def new_segment_name(pid: int | None = None) -> str:
+    """`radixserve_<pid>_<8 random hex>`, the pid defaulting to this process's."""
+    return f"{SEGMENT_PREFIX}{os.getpid() if pid is None else pid}_{secrets.token_hex(4)}"
+
+
+def segment_pid(name: str, prefix: str = SEGMENT_PREFIX) -> int | None:
+    """The owner pid embedded in a segment name, or None when the name is not `<prefix><pid>_<tag>`."""
+    pid, sep, _ = name.removeprefix(prefix).partition("_")
+    return int(pid) if name.startswith(prefix) and sep and pid.isascii() and pid.isdigit() else None
+
+
+def is_segment_name(name: str) -> bool:
+    """A name `new_segment_name` could have made: a worker maps nothing else."""
+    return segment_pid(name) is not None and "/" not in name
+
+
+def check_slab_geometry(slot_bytes: int, num_slots: int) -> None:
+    if slot_bytes < 1 or num_slots < 1:
+        raise ValueError(f"slot_bytes and num_slots must be >= 1, got {slot_bytes} and {num_slots}")
+
+
+def _attach_untracked(name: str) -> SharedMemory:
+    # NOTE: before Python 3.13 attaching registers the segment with the resource tracker, which unlinks it when
+    # this process exits, pulling the pool out from under the daemon that owns it. Unregister at once.
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name, track=False)
+    shm = SharedMemory(name)
+    resource_tracker.unregister(shm._name, "shared_memory")
+    return shm
