@@ -12,7 +12,6 @@ Write policies (`--write-policy`), all asynchronous (`DiskTier.put_async` copies
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
 
@@ -20,19 +19,17 @@ from kvcached.tiers.dram_shm import SlabPool
 from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind
 from radixserve.blocks.keys import BlockHash
 from radixserve.blocks.radix import EvictedBlock
+from radixserve.config import Choice
 
 log = logging.getLogger("kvcached.l3")
 
 SELECTIVE_HITS = 2  # hits before write_through_selective stores a block: once is chance, twice is a pattern
 
 
-class WritePolicy(str, enum.Enum):
+class WritePolicy(Choice):
     WRITE_THROUGH = "write_through"
     WRITE_THROUGH_SELECTIVE = "write_through_selective"
     WRITE_BACK = "write_back"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class L3:

@@ -6,19 +6,15 @@ the worker hands its config to the engine as it is. It drives `radixserve-worker
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from radixserve.config import setting
+from radixserve.config import Choice, setting
 
 
-class DType(str, enum.Enum):
+class DType(Choice):
     AUTO = "auto"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

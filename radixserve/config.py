@@ -18,6 +18,13 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
+class Choice(str, enum.Enum):
+    """A closed choice of a config field: its flag offers exactly the values, and it prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 def cache_root() -> Path:
     """Where converted models and the disk tier live: `$RADIXSERVE_CACHE`, default `~/.cache/radixserve`."""
     return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))

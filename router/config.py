@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from radixserve.config import setting
+from radixserve.config import Choice, setting
 
 
-class PrefetchPolicy(str, enum.Enum):
+class PrefetchPolicy(Choice):
     WAIT_COMPLETE = "wait_complete"
     BEST_EFFORT = "best_effort"
     TIMEOUT = "timeout"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
