@@ -193,7 +193,7 @@ def release(shm: SlabPool) -> None:
 
 
 # -- 3. MatchPrefix over gRPC ------------------------------------------------------------------------------------
-def _fill(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Random, blocks: int,
+def _fill(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, segment: str, rng: random.Random, blocks: int,
           prompt_pages: int, system_pages: int = 64, systems: int = 8) -> list[list[int]]:
     """Commits prompts of `prompt_pages` (one of `systems` shared prefixes + a unique rest) until `blocks` are
     cached; returns the prompts. Slots are allocated, never written: the index does not look at the bytes."""
@@ -205,7 +205,7 @@ def _fill(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, rng: random.Rand
         prompt = prefixes[which] + _ids(rng, (prompt_pages - system_pages) * PAGE)
         first = system_pages if cached_prefix[which] else 0
         allocation = stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
-            model_fingerprint=fingerprint, count=prompt_pages - first), timeout=10)
+            model_fingerprint=fingerprint, count=prompt_pages - first, segment_name=segment), timeout=10)
         if len(allocation.slots) != prompt_pages - first:
             raise RuntimeError(f"kvcached pool full after {cached} blocks")
         commit = stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(
@@ -227,10 +227,10 @@ def match_latency(log_dir: Path, blocks: int = 100_000, prompt_tokens: int = 409
         address = services.kvcached("kvcached_match", ["--host-cache-size-gb", "0.1", "--disk-cache-size-gb", "0"])
         with grpc.insecure_channel(address) as channel:
             stub = kvcache_pb2_grpc.KVCacheStub(channel)
-            stub.RegisterNamespace(kvcache_pb2.RegisterNamespaceRequest(model_fingerprint="bench-match",
-                                                                         geometry=geometry), timeout=10)
+            segment = stub.RegisterNamespace(kvcache_pb2.RegisterNamespaceRequest(
+                model_fingerprint="bench-match", geometry=geometry), timeout=10).segment_name
             rng = random.Random(0)
-            prompts = _fill(stub, "bench-match", rng, blocks, prompt_tokens // PAGE)
+            prompts = _fill(stub, "bench-match", segment, rng, blocks, prompt_tokens // PAGE)
             (stats,) = stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=10).namespaces
             requests = [kvcache_pb2.MatchPrefixRequest(model_fingerprint="bench-match", token_ids=p)
                         for p in rng.sample(prompts, 50)]

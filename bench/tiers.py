@@ -182,8 +182,10 @@ def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: di
 def _commit(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, token_ids: list[int]) -> int:
     """Caches the full pages of `token_ids` in kvcached as a worker would, without computing them; returns how many."""
     pages = len(token_ids) // PAGE
-    allocation = stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(model_fingerprint=fingerprint, count=pages),
-                                    timeout=10)
+    (segment,) = [ns.segment_name for ns in stub.GetStats(kvcache_pb2.GetStatsRequest(), timeout=10).namespaces
+                  if ns.model_fingerprint == fingerprint]
+    allocation = stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
+        model_fingerprint=fingerprint, count=pages, segment_name=segment), timeout=10)
     if len(allocation.slots) != pages:
         raise RuntimeError(f"kvcached's L2 pool gave {len(allocation.slots)} of {pages} slots")
     return stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(

@@ -71,7 +71,8 @@ async def run(config: KVCachedConfig) -> None:
         log.info("removed stale shared-memory segments of dead daemons", extra={"segments": removed})
     disk = open_disk(config)
     l3 = L3(disk, config.write_policy) if disk is not None else None
-    cache = KVCache(int(config.host_cache_size_gb * (1 << 30)), config.page_size, config.lease_ttl_s, l3=l3)
+    cache = KVCache(int(config.host_cache_size_gb * (1 << 30)), config.page_size, config.lease_ttl_s, l3=l3,
+                    max_ttl_s=config.max_lease_ttl_s, max_allocation_slots=config.max_allocation_slots)
     metrics.watch(cache)
     prefetcher = disk and Prefetcher(cache, disk, config.prefetch_threads, config.prefetch_read_timeout_s,
                                      config.prefetch_threshold_tokens, config.page_size, config.recompute_tokens_per_s)

@@ -4,12 +4,19 @@ No gRPC here; `kvcached.service` translates. Not thread-safe: the service calls 
 
 Life of a block:
     AllocateSlots ─► worker writes the block's bytes into the slot ─► CommitBlocks ─► cached in the index
+       (new generation, no key)                                        (the slot's header gets the block key)
                                           (an allocation not committed before its TTL returns to the pool)
     MatchPrefix(lease) ─► worker copies the slots into its L1 ─► ReleaseLease (or the lease's TTL passes)
+       (slots, their generations, the lease's expiry: the worker verifies each page against its header)
 
 Contracts
-- A leased slot is neither evicted nor reused until its lease is released or expires.
-- An allocated slot belongs to its allocation until CommitBlocks or expiry; commits may only name its slots.
+- A leased slot is neither evicted nor reused until its lease is released or expires. A lease may expire while a
+  worker still holds it: then the slot's generation changes before anyone else writes it, which the worker sees.
+- An allocated slot belongs to its allocation until CommitBlocks or expiry; commits may only name its slots. An
+  allocation is bound to the segment its caller names, which must be the namespace's: a worker attached to the
+  segment of a kvcached that has since restarted cannot commit bytes it wrote elsewhere.
+- A slot's header key is set only for a page inserted into the index, after its bytes are in place.
+- TTLs above `max_ttl_s` and allocations above `max_allocation_slots` are refused (InvalidRequest).
 - `check_integrity()`: per namespace, free + allocated + cached slots = total, and the index is consistent.
 - Errors: `NotFound` (unknown namespace, lease or allocation, e.g. expired), `InvalidRequest` (the request is
   wrong in itself), `Conflict` (disagrees with the registered namespace), `Exhausted` (no shared memory for a new
@@ -56,6 +63,8 @@ class Match(NamedTuple):
     l2_slots: tuple[int, ...]
     lease_id: str | None  # None without a lease or without a match
     l3_pages: int = 0  # pages after the L2 prefix that L3 holds, consecutively
+    generations: tuple[int, ...] = ()  # of each slot in `l2_slots`, now
+    lease_expires_unix_s: float = 0.0  # wall clock; 0 without a lease
 
 
 class Allocation(NamedTuple):
@@ -115,9 +124,12 @@ class KVCache:
     """See the module docstring. `clock` is injectable so that tests can expire leases without sleeping."""
 
     def __init__(self, host_cache_bytes: int, page_size: int, lease_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic, l3: L3 | None = None):
-        """`l3` None: no disk tier."""
+                 clock: Callable[[], float] = time.monotonic, l3: L3 | None = None, max_ttl_s: float = 300.0,
+                 max_allocation_slots: int = 1024):
+        """`l3` None: no disk tier. A lease's wall-clock expiry is `time.time()` + its TTL; `clock` drives expiry."""
         self.l3 = l3
+        self._max_ttl_s = max_ttl_s
+        self._max_allocation_slots = max_allocation_slots
         self._prefetches: dict[str, Prefetch] = {}
         self._pool_bytes = host_cache_bytes
         self._page_size = page_size
@@ -176,12 +188,15 @@ class KVCache:
         if self.l3 is not None:
             self.l3.hit(namespace.fingerprint, namespace.pool, hashes, result.slots)
             l3_pages = self.l3.run_length(hashes, result.pages)
-        lease_id = None
+        lease_id, expires_unix_s = None, 0.0
+        ttl_s = self._ttl_or_default(ttl_s)
         if result.lease is not None and result.pages == 0:
             namespace.index.unlock(result.lease)
         elif result.lease is not None:
-            lease_id = self._hold(_Held(namespace, self._expiry(ttl_s), lease=result.lease))
-        return Match(result.pages, result.slots, lease_id, l3_pages)
+            lease_id = self._hold(_Held(namespace, self._clock() + ttl_s, lease=result.lease))
+            expires_unix_s = time.time() + ttl_s
+        generations = tuple(namespace.pool.generation(slot) for slot in result.slots)
+        return Match(result.pages, result.slots, lease_id, l3_pages, generations, expires_unix_s)
 
     def release(self, lease_id: str) -> None:
         held = self._held.get(lease_id)
@@ -190,15 +205,21 @@ class KVCache:
         self._drop(lease_id)
 
     # -- allocate and commit -----------------------------------------------------------------------------------
-    def allocate(self, fingerprint: str, count: int, ttl_s: float | None = None) -> Allocation:
-        """Up to `count` free slots, evicting LRU pages to make room; fewer when the rest are pinned."""
+    def allocate(self, fingerprint: str, segment_name: str, count: int, ttl_s: float | None = None) -> Allocation:
+        """Up to `count` free slots of `segment_name`, which must be the namespace's, evicting LRU pages to make
+        room; fewer when the rest are pinned."""
         namespace = self.namespace(fingerprint)
-        if count < 0:
-            raise InvalidRequest(f"count must be >= 0, got {count}")
+        if segment_name != namespace.pool.name:
+            raise Conflict(f"segment {segment_name!r} is not namespace {fingerprint[:12]}'s (kvcached restarted?): "
+                           "register again")
+        if not 0 <= count <= self._max_allocation_slots:
+            raise InvalidRequest(f"count must be in [0, {self._max_allocation_slots}] (--max-allocation-slots), "
+                                 f"got {count}")
+        expires_at = self._clock() + self._ttl_or_default(ttl_s)
         evicted = self._make_room(namespace, count)
         slots = tuple(namespace.pool.allocate(count))
         namespace.allocated.update(slots)
-        return Allocation(self._hold(_Held(namespace, self._expiry(ttl_s), slots=frozenset(slots))), slots, evicted)
+        return Allocation(self._hold(_Held(namespace, expires_at, slots=frozenset(slots))), slots, evicted)
 
     def commit(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], first_page: int,
                slots: Sequence[int], allocation_id: str) -> Commit:
@@ -223,6 +244,9 @@ class KVCache:
         result = namespace.index.insert(hashes[:first_page + len(slots)], slots, start=first_page)
         inserted = set(slots) - set(result.unused_slots)
         already_cached = max(0, result.cached_pages - first_page)
+        end = first_page + len(slots)
+        for page in range(end - result.inserted_pages, end):
+            namespace.pool.set_key(result.slots[page], hashes[page])
         if self.l3 is not None and inserted:  # the inserted pages are the ones after those already cached
             self.l3.committed(namespace.fingerprint, namespace.pool, hashes, result.cached_pages,
                               slots[already_cached:])
@@ -266,6 +290,8 @@ class KVCache:
         result = prefetch.namespace.index.insert(prefetch.hashes[:page + 1], [slot], start=page)
         if result.cached_pages < page:
             return False
+        if result.inserted_pages:
+            prefetch.namespace.pool.set_key(slot, prefetch.hashes[page])
         prefetch.namespace.allocated.discard(slot)
         if slot in result.unused_slots:  # a worker committed the same page meanwhile
             prefetch.namespace.pool.free([slot])
@@ -301,8 +327,10 @@ class KVCache:
             self._drop(key)
         return len(expired)
 
-    def _expiry(self, ttl_s: float | None) -> float:
-        return self._clock() + (ttl_s or self._ttl)
+    def _ttl_or_default(self, ttl_s: float | None) -> float:
+        if ttl_s is not None and ttl_s > self._max_ttl_s:
+            raise InvalidRequest(f"a TTL of {ttl_s:g} s exceeds the cap of {self._max_ttl_s:g} s (--max-lease-ttl-s)")
+        return ttl_s or self._ttl
 
     def _hold(self, held: _Held) -> str:
         key = f"{next(self._ids):x}-{os.urandom(4).hex()}"

@@ -29,6 +29,10 @@ class KVCachedConfig:
                                                    "(SmolLM2-135M float32 on 2 CPU cores)")
     l3_read_delay_ms: float = setting(0.0, "TEST ONLY: slows every L3 read, to exercise prefetch policies")
     lease_ttl_s: float = setting(30.0, "a lease or allocation a crashed worker never released expires after this")
+    max_lease_ttl_s: float = setting(300.0, "longest TTL a caller may ask for; a longer ask is refused, so nobody "
+                                            "pins L2 for days")
+    max_allocation_slots: int = setting(1024, "most slots one AllocateSlots may take (1,024 pages: 16k tokens at "
+                                              "page size 16); a larger ask is refused, so nobody empties L2")
     drain_grace_s: float = setting(5.0, "seconds in-flight RPCs get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
@@ -36,8 +40,10 @@ class KVCachedConfig:
             raise ValueError("--host-cache-size-gb must be positive")
         if self.page_size < 1:
             raise ValueError("--page-size must be at least 1")
-        if self.lease_ttl_s <= 0:
-            raise ValueError("--lease-ttl-s must be positive")
+        if not 0 < self.lease_ttl_s <= self.max_lease_ttl_s:
+            raise ValueError("--lease-ttl-s must be positive and at most --max-lease-ttl-s")
+        if self.max_allocation_slots < 1:
+            raise ValueError("--max-allocation-slots must be positive")
         if self.disk_cache_size_gb < 0 or self.prefetch_threshold_tokens < 0 or self.l3_read_delay_ms < 0:
             raise ValueError("--disk-cache-size-gb, --prefetch-threshold-tokens, --l3-read-delay-ms must be >= 0")
         if self.prefetch_threads < 1 or self.prefetch_read_timeout_s <= 0 or self.recompute_tokens_per_s <= 0:

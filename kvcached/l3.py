@@ -38,6 +38,7 @@ class L3:
         self.policy = policy
         self._blocks: set[BlockHash] = {meta.hash for meta in disk.scan()}
         self._hits: dict[BlockHash, int] = {}
+        self.unverified_blocks = 0  # slots whose header did not name the block about to be stored
         log.info("disk tier open", extra={"blocks": len(self._blocks), "write_policy": policy.value})
 
     def __len__(self) -> int:
@@ -87,6 +88,11 @@ class L3:
     def _store(self, namespace: str, pool: SlabPool, block_hash: BlockHash, parent: BlockHash | None,
                slot: int) -> None:
         if block_hash in self._blocks or not self.disk.healthy:
+            return
+        if pool.segment.header(slot).key != block_hash:  # only bytes the index vouches for become durable
+            self.unverified_blocks += 1
+            log.error("a slot's header does not name the block stored from it; not writing it to L3",
+                      extra={"slot": slot, "block": block_hash.hex()})
             return
         # Counted as stored at once: a read that races the writer is a miss, and a miss only costs a recompute.
         if self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, bytes(pool.view(slot))):

@@ -48,6 +48,8 @@ class CacheCollector:
             yield GaugeMetricFamily("radixserve_kvcached_l3_healthy", "1 while the disk tier works, 0 after an I/O "
                                     "error", value=stats.healthy)
             yield from _disk_counters(stats)
+            yield CounterMetricFamily("radixserve_kvcached_l3_unverified_blocks", "Blocks kept out of L3 because "
+                                      "their slot's header did not name them", value=self._cache.l3.unverified_blocks)
         yield blocks
         yield size
 

@@ -84,7 +84,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             prefetch_id = self._prefetcher.maybe_start(request.model_fingerprint, request.cache_salt,
                                                        request.token_ids, match)
         return kvcache_pb2.MatchPrefixResponse(
-            matched_pages=match.pages, l2_slots=match.l2_slots, lease_id=match.lease_id or "",
+            matched_pages=match.pages, l2_slots=match.l2_slots, l2_generations=match.generations,
+            lease_expires_unix_ms=int(match.lease_expires_unix_s * 1e3), lease_id=match.lease_id or "",
             segment_name=self.cache.namespace(request.model_fingerprint).pool.name, l3_pages=match.l3_pages,
             prefetch_id=prefetch_id or "")
 
@@ -106,7 +107,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @_rpc
     def AllocateSlots(self, request):
-        allocation = self.cache.allocate(request.model_fingerprint, request.count)
+        allocation = self.cache.allocate(request.model_fingerprint, request.segment_name, request.count)
         metrics.evictions.labels(tier="l2").inc(allocation.evicted)
         return kvcache_pb2.AllocateSlotsResponse(allocation_id=allocation.allocation_id, slots=allocation.slots)
 
@@ -125,7 +126,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def GetStats(self, request):
         return kvcache_pb2.KVCacheStats(disk=disk_to_pb(self.cache), namespaces=[
             kvcache_pb2.NamespaceStats(
-                model_fingerprint=ns.fingerprint, slots_total=ns.pool.num_slots, slots_free=ns.pool.num_free,
+                model_fingerprint=ns.fingerprint, segment_name=ns.pool.name, slots_total=ns.pool.num_slots,
+                slots_free=ns.pool.num_free,
                 blocks_cached=ns.index.total_pages, leases=self.cache.leases(ns),
                 allocations=self.cache.allocations(ns))
             for ns in self.cache.namespaces()])

@@ -4,8 +4,8 @@ A block is one page of all layers, contiguous on both sides (page-first layout),
 - CPU pool: one memmove per block. torch's `copy_` of a 0.7 MB block fans out over its thread pool and, with the
   cores busy decoding, waits for a second thread: measured 0.09 GB/s under load against 7-8 GB/s for a memmove.
 - CUDA pool: the shared-memory mapping is page-locked (`cudaHostRegister`) once per attach, so copies are true
-  asynchronous DMA on a side stream; `fence()` makes the compute stream wait for them before the next forward, and
-  `drain()` waits on the host before a block copied out of the GPU is committed.
+  asynchronous DMA on a side stream; `drain()` waits on the host until they are complete: before a block copied into
+  L1 is verified against its slot's header, and before a block copied out of the GPU is committed.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ class HostBlockCopy:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
-    def fence(self) -> None:
-        """Orders the copies issued so far before the next forward; copies here are already done."""
 
     def drain(self) -> None:
         """Waits until the copies issued so far are complete; they already are here."""
@@ -61,8 +59,6 @@ class CudaBlockCopy(HostBlockCopy):
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
 
-    def fence(self) -> None:
-        torch.cuda.current_stream().wait_stream(self._stream)
 
     def drain(self) -> None:
         self._stream.synchronize()

@@ -139,10 +139,15 @@ class Engine:
         `cache` says whether its prefix may be reused and cached, and carries its kvcached lease, which the
         engine releases in every case (used, unusable, or the request aborted before it ran).
         """
-        seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, CacheState(cache))
+        state = CacheState(cache)
         with self._cond:
-            if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
-                raise ValueError(f"request id {request_id!r} is already running")
+            try:
+                seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, state)
+                if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
+                    raise ValueError(f"request id {request_id!r} is already running")
+            except ValueError:
+                self.prefix.discard(state)
+                raise
             self.scheduler.add(seq)
             self._cond.notify()
 
@@ -167,6 +172,11 @@ class Engine:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} needs "
                              f"{pages_needed(seq, self.pool.page_size)} KV pages; the pool has {self.pool.num_pages}")
         return seq
+
+    def discard(self, cache: CacheRequest) -> None:
+        """Releases the kvcached lease of a request that will never be added."""
+        with self._cond:
+            self.prefix.discard(CacheState(cache))
 
     def abort(self, request_id: str) -> None:
         """Ends the request now and frees its pages; its final output (finish_reason "abort") is sent from here."""

@@ -10,7 +10,11 @@ The worker reads leased slots only from the segment its own registration returne
 (a restarted kvcached the heartbeat has not seen yet, or a forged one) is not used, and it asks for a registration
 at once.
 
-Threading contract: `l2_blocks` is called by the engine thread; `release`/`commit` only enqueue. The L1 pages of a
+Every allocation names the segment this worker registered, so after a kvcached restart no commit lands in a pool the
+new daemon does not read (FAILED_PRECONDITION: the worker re-registers). A commit asks for at most
+`MAX_COMMIT_SLOTS` slots at a time, below kvcached's cap on one allocation.
+
+Threading contract: `l2_segment` is called by the engine thread; `release`/`commit` only enqueue. The L1 pages of a
 commit job must stay unchanged until its `on_done` runs (the engine keeps them locked in its L1 index).
 """
 
@@ -37,6 +41,9 @@ log = logging.getLogger("model_worker.kvcache_client")
 
 REGISTER_BACKOFF_S = 2.0  # after a failed registration, jobs skip kvcached this long instead of piling up calls
 HEARTBEAT_S = 1.0  # an idle client re-registers this often: a restarted kvcached learns the namespace within it
+MAX_COMMIT_SLOTS = 256  # slots per AllocateSlots: 4,096 tokens at page size 16, well under kvcached's default cap
+# kvcached restarted or went away: forget its segment; the next registration attaches the new one.
+_RETIRE_ON = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,9 @@ class CommitJob:
 
 
 @dataclass
-class _Attached:
+class Attached:
+    """The registered namespace's L2 segment, and its slots as blocks."""
+
     segment: SlabSegment
     blocks: torch.Tensor | None  # [num_slots, *block shape], a view of the shared memory; None once retired
 
@@ -67,9 +76,9 @@ class KVCacheClient:
         self._geometry = geometry
         self._l1_kv = l1_kv
         self._timeout_s = timeout_s
-        self._attached: _Attached | None = None
+        self._attached: Attached | None = None
         self._attach_lock = threading.Lock()
-        self._retired: list[_Attached] = []
+        self._retired: list[Attached] = []
         self._retry_at = 0.0
         self._register_queued = False  # one queued registration is enough, however many stale leases ask
         self._reachable = True  # False after a failure until a registration succeeds
@@ -85,12 +94,12 @@ class KVCacheClient:
         attached = self._attached
         return attached.segment.name if attached is not None else ""
 
-    def l2_blocks(self, segment_name: str) -> torch.Tensor | None:
-        """The slots of the registered segment as blocks, when `segment_name` is that segment; else None, and a
-        registration is queued (kvcached may have restarted)."""
+    def l2_segment(self, segment_name: str) -> Attached | None:
+        """The registered segment, when `segment_name` is that segment; else None, and a registration is queued
+        (kvcached may have restarted)."""
         attached = self._attached
         if attached is not None and attached.segment.name == segment_name:
-            return attached.blocks
+            return attached
         log.info("lease names a segment this worker is not registered with; recomputing",
                  extra={"segment": segment_name, "registered": self.segment_name})
         self._register_soon()
@@ -139,7 +148,7 @@ class KVCacheClient:
         blocks = slab_blocks(segment, self._geometry)
         self._block_copy.pin(blocks)
         self._retire()
-        self._attached = _Attached(segment, blocks)
+        self._attached = Attached(segment, blocks)
 
     def _retire(self) -> None:
         """Forgets the attached segment; it is unmapped once no copy reads it (`_close_retired`)."""
@@ -185,17 +194,24 @@ class KVCacheClient:
     def _commit(self, job: CommitJob) -> None:
         if self._attached is None and (time.monotonic() < self._retry_at or not self.register()):
             return
-        blocks = self._attached.blocks
-        allocation = self._stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
-            model_fingerprint=self._fingerprint, count=len(job.l1_pages)), timeout=self._timeout_s)
-        for slot, page in zip(allocation.slots, job.l1_pages):
-            self._block_copy.copy(blocks[slot], self._l1_kv[page])
-        self._block_copy.drain()
-        result = self._stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(
-            model_fingerprint=self._fingerprint, cache_salt=job.cache_salt, token_ids=job.token_ids,
-            first_page=job.first_page, slots=allocation.slots, allocation_id=allocation.allocation_id),
-            timeout=self._timeout_s)
-        metrics.committed_blocks.inc(result.inserted)
+        attached = self._attached
+        for start in range(0, len(job.l1_pages), MAX_COMMIT_SLOTS):
+            pages = job.l1_pages[start:start + MAX_COMMIT_SLOTS]
+            allocation = self._stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
+                model_fingerprint=self._fingerprint, count=len(pages), segment_name=attached.segment.name),
+                timeout=self._timeout_s)
+            for slot, page in zip(allocation.slots, pages):
+                self._block_copy.copy(attached.blocks[slot], self._l1_kv[page])
+            self._block_copy.drain()
+            first_page = job.first_page + start
+            result = self._stub.CommitBlocks(kvcache_pb2.CommitBlocksRequest(
+                model_fingerprint=self._fingerprint, cache_salt=job.cache_salt,
+                token_ids=job.token_ids[:(first_page + len(pages)) * self._geometry.page_size],
+                first_page=first_page, slots=allocation.slots, allocation_id=allocation.allocation_id),
+                timeout=self._timeout_s)
+            metrics.committed_blocks.inc(result.inserted)
+            if len(allocation.slots) < len(pages):  # L2 is full of pinned pages: the rest would leave a gap
+                return
 
     def _failed(self, op: str, e: grpc.RpcError) -> None:
         metrics.kvcached_errors.labels(op=op).inc()
@@ -203,5 +219,5 @@ class KVCacheClient:
             log.warning("kvcached call failed; continuing without it", extra={
                 "op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
         self._reachable = e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) and op != "release":
-            self._retire()  # kvcached restarted or went away; the next registration attaches the new segment
+        if e.code() in _RETIRE_ON and op != "release":
+            self._retire()

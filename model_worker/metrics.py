@@ -13,6 +13,8 @@ if TYPE_CHECKING:  # the engine imports the kvcache client, which counts here
 
 kvcached_errors = Counter("radixserve_worker_kvcached_errors_total", "kvcached calls that failed", ["op"])
 committed_blocks = Counter("radixserve_worker_committed_blocks_total", "Blocks committed to kvcached")
+l2_pages_rejected = Counter("radixserve_worker_l2_pages_rejected_total", "Leased L2 pages not used, recomputed instead",
+                            ["reason"])  # expired, segment, out_of_range, generation, key
 
 
 class EngineCollector:

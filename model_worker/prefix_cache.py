@@ -5,6 +5,14 @@
 
 Reuse stops one token short of the prompt, so at least one prompt token is computed and yields the first logits.
 
+An L2 lease comes from the router and is trusted for nothing. Its pages are copied only from the segment this
+worker registered, before the lease's expiry, from slots in range; and a copied page joins L1 only if the slot's
+header had the lease's generation before and after the copy and names the key this worker computes from the prompt
+and its own namespace (so neither an expired lease whose slot was reused nor another tenant's slot can pass). The
+first page that fails ends the L2 prefix there: the rest is recomputed, counted in
+`radixserve_worker_l2_pages_rejected_total{reason}`. The lease is released on every path (copied, unusable, the
+request aborted or rejected).
+
 Contracts (all calls under the engine lock, from the engine thread or `abort`):
 - The index holds one pool reference on each cached page. A running sequence keeps a lease on its cached path, and
   so does each commit in flight to kvcached, so `index.evictable_pages` are pages only the index holds: evicting
@@ -18,20 +26,33 @@ Contracts (all calls under the engine lock, from the engine thread or `abort`):
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
+from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy
 from model_worker.kv_pool import KVPool
-from model_worker.kvcache_client import CommitJob, KVCacheClient
+from model_worker.kvcache_client import Attached, CommitJob, KVCacheClient
 from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
 from radixserve.blocks.radix import Lease, RadixIndex
 
 
+LEASE_MARGIN_MS = 50  # a lease this close to its expiry is not used: copying a long prefix takes ~10 ms here
+
+
 @dataclass(frozen=True)
 class L2Lease:
+    """Raises ValueError unless there is one generation per slot."""
+
     lease_id: str
     segment_name: str
     slots: tuple[int, ...]  # kvcached slot of prompt page i
+    generations: tuple[int, ...]  # of each slot when it was leased
+    expires_unix_ms: int
+
+    def __post_init__(self) -> None:
+        if len(self.generations) != len(self.slots):
+            raise ValueError(f"the L2 lease names {len(self.slots)} slots but {len(self.generations)} generations")
 
 
 @dataclass(frozen=True)
@@ -49,11 +70,14 @@ class CacheState:
 
     request: CacheRequest
     l1_lease: Lease | None = None
-    l2_lease_pending: bool = False  # the L2 lease still needs releasing
+    l2_lease_pending: bool = False  # the L2 lease still needs releasing (set from the request)
     cached_l1_tokens: int = 0
     cached_l2_tokens: int = 0
     pages_in_l1: int = 0  # leading pages of the sequence known to be in the L1 index
     pages_in_l2: int = 0  # leading pages known to be in kvcached
+
+    def __post_init__(self) -> None:
+        self.l2_lease_pending = self.request.l2_lease is not None
 
 
 class PrefixCache:
@@ -88,41 +112,65 @@ class PrefixCache:
     # -- admission ---------------------------------------------------------------------------------------------
     def attach(self, request_id: str, prompt: list[int], state: CacheState) -> int:
         """Puts the reusable prefix of `prompt` into the block table of `request_id`; returns its length in tokens."""
-        state.l2_lease_pending = state.request.l2_lease is not None
         if not state.request.enabled:
             self._release_l2(state)
             return 0
         usable = (len(prompt) - 1) // self._page_size
-        match = self._index.match(self._hashes(state, prompt[:usable * self._page_size]), lock=True)
+        hashes = self._hashes(state, prompt[:usable * self._page_size])
+        match = self._index.match(hashes, lock=True)
         state.l1_lease = match.lease
         l1_pages = list(match.slots)  # the L1 index's slots are pool pages
         self._pool.incref(l1_pages)
         table = self._pool.block_table(request_id)
         table.extend(l1_pages)
-        l2_pages = self._copy_from_l2(state, len(l1_pages), usable)
+        l2_pages, lease_held = self._copy_from_l2(state, hashes, len(l1_pages))
         self._release_l2(state)
         table.extend(l2_pages)
         state.cached_l1_tokens = len(l1_pages) * self._page_size
         state.cached_l2_tokens = len(l2_pages) * self._page_size
         state.pages_in_l1 = len(l1_pages)
-        state.pages_in_l2 = len(state.request.l2_lease.slots) if state.request.l2_lease else 0
+        lease = state.request.l2_lease
+        state.pages_in_l2 = len(lease.slots) if lease and lease_held else len(l1_pages) + len(l2_pages)
         return len(table) * self._page_size
 
-    def _copy_from_l2(self, state: CacheState, first: int, usable: int) -> list[int]:
-        """New L1 pages holding the leased L2 blocks [first, usable), one contiguous copy per block."""
+    def _copy_from_l2(self, state: CacheState, hashes: list[BlockHash], first: int) -> tuple[list[int], bool]:
+        """New L1 pages holding the leased L2 blocks [first, len(hashes)) that pass verification (module
+        docstring), one contiguous copy per block; and whether every one passed."""
         lease = state.request.l2_lease
-        if lease is None or self._client is None:
-            return []
-        blocks = self._client.l2_blocks(lease.segment_name)
-        slots = lease.slots[first:usable]
-        if blocks is None or not slots:
-            return []
+        if lease is None or self._client is None or first >= min(len(hashes), len(lease.slots)):
+            return [], True
+        slots, generations = lease.slots[first:len(hashes)], lease.generations[first:len(hashes)]
+        attached = self._client.l2_segment(lease.segment_name)
+        unusable = _unusable(lease, attached, slots)
+        if unusable:
+            metrics.l2_pages_rejected.labels(reason=unusable).inc(len(slots))
+            return [], False
         self.make_room(len(slots))
         pages = self._pool.allocate(len(slots))
-        for page, slot in zip(pages, slots):
-            self._block_copy.copy(self._pool.kv[page], blocks[slot])
-        self._block_copy.fence()
-        return pages
+        kept, reason = self._copy_verified(attached, pages, slots, generations, hashes[first:])
+        if kept < len(slots):
+            metrics.l2_pages_rejected.labels(reason=reason).inc(len(slots) - kept)
+        self._pool.decref(pages[kept:])
+        return pages[:kept], kept == len(slots)
+
+    def _copy_verified(self, attached: Attached, pages: list[int], slots: tuple[int, ...],
+                       generations: tuple[int, ...], keys: list[BlockHash]) -> tuple[int, str]:
+        """Copies slots into pages up to the first whose header is not (its generation, its key); then drops the
+        tail from the first slot whose generation changed during the copies. How many pages hold verified blocks,
+        and why the next one failed."""
+        segment, kept, reason = attached.segment, 0, ""
+        for page, slot, generation, key in zip(pages, slots, generations, keys):
+            header = segment.header(slot)
+            if header != (generation, key):
+                reason = "generation" if header.generation != generation else "key"
+                break
+            self._block_copy.copy(self._pool.kv[page], attached.blocks[slot])
+            kept += 1
+        self._block_copy.drain()  # the copies are complete before the generations are read again
+        for i in range(kept):
+            if segment.generation(slots[i]) != generations[i]:
+                return i, "generation"
+        return kept, reason
 
     def _release_l2(self, state: CacheState) -> None:
         if state.l2_lease_pending and self._client is not None:
@@ -170,6 +218,21 @@ class PrefixCache:
             self._index.unlock(state.l1_lease)
             state.l1_lease = None
 
+    def discard(self, state: CacheState) -> None:
+        """For a request that never ran: releases its L2 lease."""
+        self._release_l2(state)
+
     def check_integrity(self) -> None:
         self._index.check_integrity()
         self._pool.check_integrity()
+
+
+def _unusable(lease: L2Lease, attached: Attached | None, slots: tuple[int, ...]) -> str:
+    """Why no page of `lease` can be used at all ("" when they can be tried one by one)."""
+    if time.time() * 1e3 > lease.expires_unix_ms - LEASE_MARGIN_MS:
+        return "expired"
+    if attached is None:
+        return "segment"
+    if max(slots) >= attached.segment.num_slots:
+        return "out_of_range"
+    return ""

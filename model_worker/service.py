@@ -22,9 +22,10 @@ def sampling_from_pb(s: worker_pb2.ResolvedSampling) -> SamplingParams:
 
 
 def cache_from_pb(request: worker_pb2.WorkerGenerateRequest) -> CacheRequest:
+    """Raises ValueError for a lease that is malformed in itself."""
     lease = request.l2_lease if request.HasField("l2_lease") else None
-    return CacheRequest(salt=request.cache_salt, enabled=not request.disable_cache,
-                        l2_lease=lease and L2Lease(lease.lease_id, lease.segment_name, tuple(lease.slots)))
+    return CacheRequest(salt=request.cache_salt, enabled=not request.disable_cache, l2_lease=lease and L2Lease(
+        lease.lease_id, lease.segment_name, tuple(lease.slots), tuple(lease.generations), lease.expires_unix_ms))
 
 
 def output_to_pb(out: RequestOutput) -> worker_pb2.WorkerGenerateResponse:
@@ -46,11 +47,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
-            self._engine.add_request(request.request_id, list(request.prompt_ids),
-                                     sampling_from_pb(request.sampling),
-                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
-                                     cache_from_pb(request))
-        except ValueError as e:
+            cache = cache_from_pb(request)  # a malformed lease is not trusted even to be released
+            sampling = self._sampling(request, cache)
+            self._engine.add_request(request.request_id, list(request.prompt_ids), sampling,
+                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), cache)
+        except ValueError as e:  # add_request released the lease of what it rejected
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         finished = False
         try:
@@ -61,6 +62,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if not finished:
                 self._engine.abort(request.request_id)
+
+    def _sampling(self, request: worker_pb2.WorkerGenerateRequest, cache: CacheRequest) -> SamplingParams:
+        try:
+            return sampling_from_pb(request.sampling)
+        except ValueError:
+            self._engine.discard(cache)
+            raise
 
     async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
         info = self._engine.info

@@ -30,7 +30,7 @@ async def run(config: RouterConfig) -> None:
                                      "fingerprint": model.fingerprint})
     matcher = None
     if config.kvcached and not config.disable_radix_cache:
-        matcher = PrefixMatcher(config.kvcached, model.fingerprint, config.kvcached_timeout_ms / 1e3,
+        matcher = PrefixMatcher(config.kvcached, config.kvcached_timeout_ms / 1e3,
                                 config.lease_ttl_ms, config.prefetch_policy, config.prefetch_timeout_ms / 1e3)
     if matcher:
         log.info("Radix cache enabled", extra={"kvcached": config.kvcached,
@@ -39,9 +39,13 @@ async def run(config: RouterConfig) -> None:
     else:
         log.info("Radix cache disabled")
     servicer = RouterServicer(pool, tokenizer, limits, matcher)
-    await serve("router", config.host, config.port, config.metrics_port,
-                [ServiceSpec(servicer, router_pb2_grpc.add_RouterServicer_to_server, "radixserve.v1.Router")],
-                grace_s=config.drain_grace_s)
+    watch = asyncio.create_task(pool.watch())
+    try:
+        await serve("router", config.host, config.port, config.metrics_port,
+                    [ServiceSpec(servicer, router_pb2_grpc.add_RouterServicer_to_server, "radixserve.v1.Router")],
+                    grace_s=config.drain_grace_s)
+    finally:
+        watch.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:

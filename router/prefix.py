@@ -10,10 +10,16 @@ Each request waits on its own, so a request without disk pages never queues behi
 kvcached is an accelerator, never a dependency: any failure or a missed deadline yields "no match", a log line and
 `radixserve_kvcached_errors_total`, and the request is recomputed. gRPC channels reconnect on their own, so reuse
 resumes when kvcached comes back.
+
+Leases: the first match's lease is released once the second one is taken, also when the request is cancelled while
+it waits; `release_soon` releases a lease the worker never got (its call failed or was cancelled before it answered).
+A lease is matched in the namespace of the worker that will copy it (its fingerprint), so a worker restarted with
+another model or dtype gets leases of its own namespace.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -39,31 +45,33 @@ class Reuse:
 
 
 class PrefixMatcher:
-    def __init__(self, address: str, fingerprint: str, timeout_s: float, lease_ttl_ms: int, policy: PrefetchPolicy,
+    def __init__(self, address: str, timeout_s: float, lease_ttl_ms: int, policy: PrefetchPolicy,
                  prefetch_timeout_s: float):
         self._stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(address))
         self._address = address
-        self._fingerprint = fingerprint
+        self._releases: set[asyncio.Task] = set()  # in flight; a reference keeps each task alive
         self._timeout_s = timeout_s
         self._lease_ttl_ms = lease_ttl_ms
         self._policy = policy
         self._prefetch_timeout_s = prefetch_timeout_s
 
-    async def reuse(self, token_ids: list[int], cache_salt: str, deadline_s: float | None) -> Reuse:
-        """The reusable prefix of `token_ids`; `deadline_s` is the client's remaining time (None: no deadline)."""
-        first = await self._match(token_ids, cache_salt, prefetch=True)
+    async def reuse(self, fingerprint: str, token_ids: list[int], cache_salt: str, deadline_s: float | None) -> Reuse:
+        """The reusable prefix of `token_ids` in namespace `fingerprint`; `deadline_s` is the client's remaining
+        time (None: no deadline)."""
+        first = await self._match(fingerprint, token_ids, cache_salt, prefetch=True)
         if first is None:
             return Reuse(None)
         if not first.prefetch_id or self._policy is PrefetchPolicy.BEST_EFFORT:
             self._count_prefetch(first.l3_pages, loaded=0)
             return Reuse(_lease(first))
         started = time.monotonic()
-        await self._wait(first.prefetch_id, self._wait_budget(deadline_s))
+        try:
+            await self._wait(first.prefetch_id, self._wait_budget(deadline_s))
+        finally:  # also when the client gives up while it waits
+            self.release_soon(first.lease_id)
         waited = time.monotonic() - started
         metrics.prefetch_wait_time.observe(waited)
-        if first.lease_id:
-            await self._release(first.lease_id)
-        second = await self._match(token_ids, cache_salt, prefetch=False)
+        second = await self._match(fingerprint, token_ids, cache_salt, prefetch=False)
         if second is None:
             return Reuse(None, prefetch_wait_s=waited)
         loaded = max(0, second.matched_pages - first.matched_pages)
@@ -80,9 +88,17 @@ class PrefixMatcher:
         if l3_pages:
             (metrics.prefetch_hit if loaded >= l3_pages else metrics.prefetch_miss).inc()
 
-    async def _match(self, token_ids: list[int], cache_salt: str, prefetch: bool
+    def release_soon(self, lease_id: str) -> None:
+        """Releases `lease_id` (nothing when empty) on its own task, so a cancelled request still releases it; a
+        lease already released (the worker got there first) is fine."""
+        if lease_id:
+            task = asyncio.get_running_loop().create_task(self._release(lease_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _match(self, fingerprint: str, token_ids: list[int], cache_salt: str, prefetch: bool
                      ) -> kvcache_pb2.MatchPrefixResponse | None:
-        request = kvcache_pb2.MatchPrefixRequest(model_fingerprint=self._fingerprint, cache_salt=cache_salt,
+        request = kvcache_pb2.MatchPrefixRequest(model_fingerprint=fingerprint, cache_salt=cache_salt,
                                                   token_ids=token_ids, lease=True, lease_ttl_ms=self._lease_ttl_ms,
                                                   prefetch=prefetch)
         return await self._call("match", self._stub.MatchPrefix, request, self._timeout_s)
@@ -97,12 +113,15 @@ class PrefixMatcher:
 
     async def _release(self, lease_id: str) -> None:
         await self._call("release", self._stub.ReleaseLease, kvcache_pb2.ReleaseLeaseRequest(lease_id=lease_id),
-                         self._timeout_s)
+                         self._timeout_s, expected=grpc.StatusCode.NOT_FOUND)
 
-    async def _call(self, op: str, method, request, timeout_s: float):
+    async def _call(self, op: str, method, request, timeout_s: float, expected: grpc.StatusCode | None = None):
+        """`method(request)`, or None after a failure; `expected` is a status that is no failure (None back)."""
         try:
             return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
+            if e.code() == expected:
+                return None
             metrics.kvcached_errors.labels(op=op).inc()
             log.warning("kvcached call failed; recomputing what it would have served",
                         extra={"op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
@@ -112,4 +131,5 @@ class PrefixMatcher:
 def _lease(match: kvcache_pb2.MatchPrefixResponse) -> worker_pb2.L2Lease | None:
     if not match.lease_id:
         return None
-    return worker_pb2.L2Lease(lease_id=match.lease_id, segment_name=match.segment_name, slots=match.l2_slots)
+    return worker_pb2.L2Lease(lease_id=match.lease_id, segment_name=match.segment_name, slots=match.l2_slots,
+                              generations=match.l2_generations, expires_unix_ms=match.lease_expires_unix_ms)

@@ -17,6 +17,8 @@ from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.routing")
 
+INFO_REFRESH_S = 1.0  # a worker restarted with another fingerprint gets leases of its namespace within this
+
 
 class PrefixMemory:
     """The block keys of prompts recently sent to one worker: an approximation of what its L1 holds.
@@ -72,6 +74,10 @@ class WorkerPool:
     Among the workers whose load is within `load_slack` requests of the least loaded, the one that most likely holds
     the longest prefix of the prompt in its L1 wins (its `PrefixMemory`); then the least loaded; then the earliest
     listed. Without block keys (cache off) it is plain least-loaded.
+
+    Routing keys are block keys under `routing_fingerprint`, the model's fingerprint at start: they only need to
+    name prompt prefixes consistently. A worker's own fingerprint (`info`, kept fresh by `watch`) may change when it
+    restarts with another dtype; its memory is forgotten then.
     """
 
     def __init__(self, workers: list[WorkerHandle], load_slack: int):
@@ -79,6 +85,7 @@ class WorkerPool:
         if len(fingerprints) != 1:
             raise ValueError(f"workers serve different models: {sorted(fingerprints)}")
         self.workers = workers
+        self.routing_fingerprint = fingerprints.pop()
         self._load_slack = load_slack
 
     @property
@@ -89,6 +96,26 @@ class WorkerPool:
         least = min(w.in_flight for w in self.workers)
         candidates = [w for w in self.workers if w.in_flight <= least + self._load_slack]
         return max(candidates, key=lambda w: (w.memory.matched(hashes), -w.in_flight))
+
+    def update(self, worker: WorkerHandle, info: worker_pb2.WorkerInfo) -> None:
+        """Takes a worker's fresh `GetInfo`; a changed fingerprint (restarted with another model or dtype) makes the
+        pool forget what the worker held."""
+        if info.model.fingerprint != worker.info.model.fingerprint:
+            log.warning("worker serves a new model fingerprint; forgetting what it held", extra={
+                "worker": worker.address, "fingerprint": info.model.fingerprint,
+                "was": worker.info.model.fingerprint})
+            worker.memory = PrefixMemory(info.kv_pages_total)
+        worker.info = info
+
+    async def watch(self, interval_s: float = INFO_REFRESH_S) -> None:
+        """Refreshes every worker's info each `interval_s`, until cancelled; an unreachable worker keeps its last."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for worker in self.workers:
+                try:
+                    self.update(worker, await worker.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=interval_s))
+                except grpc.aio.AioRpcError:
+                    pass
 
     @contextmanager
     def pick(self, hashes: Sequence[BlockHash] = ()) -> Iterator[WorkerHandle]:

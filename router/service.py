@@ -44,13 +44,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
         request_id = request.request_id or uuid.uuid4().hex
         metrics.prompt_tokens.inc(len(ids))
-        reuse = (await self._matcher.reuse(ids, request.cache_salt, context.time_remaining())
-                 if self._matcher else Reuse(None))
-        forward = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_ids=ids, sampling=sampling,
-                                                   cache_salt=request.cache_salt, disable_cache=self._matcher is None,
-                                                   l2_lease=reuse.lease)
-        run = _Run(request_id, len(ids), started, reuse, self._pool.model.page_size)
         with self._pool.pick(self._block_keys(ids, request.cache_salt)) as worker:
+            # Matched in the chosen worker's namespace: the worker copies the lease, and verifies it against its own.
+            reuse = (await self._matcher.reuse(worker.info.model.fingerprint, ids, request.cache_salt,
+                                               context.time_remaining()) if self._matcher else Reuse(None))
+            forward = worker_pb2.WorkerGenerateRequest(
+                request_id=request_id, prompt_ids=ids, sampling=sampling, cache_salt=request.cache_salt,
+                disable_cache=self._matcher is None, l2_lease=reuse.lease)
+            run = _Run(request_id, len(ids), started, reuse, worker.info.model.page_size)
             call = worker.stub.Generate(forward, timeout=context.time_remaining())
             try:
                 async for out in _worker_outputs(call, worker.address):
@@ -60,14 +61,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             finally:
                 call.cancel()
                 run.close()
+                if run.outputs == 0 and reuse.lease is not None:  # the worker may never have seen the lease
+                    self._matcher.release_soon(reuse.lease.lease_id)
         metrics.requests.labels(outcome=run.finish_reason or "abort").inc()
 
     def _block_keys(self, ids: list[int], cache_salt: str) -> list[BlockHash]:
         """The prompt's block keys, for cache-aware routing; none when the cache is off."""
         if self._matcher is None:
             return []
-        model = self._pool.model
-        return block_hashes(namespace_key(model.fingerprint, cache_salt), ids, model.page_size)
+        return block_hashes(namespace_key(self._pool.routing_fingerprint, cache_salt), ids, self._pool.model.page_size)
 
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
         return router_pb2.TokenizeResponse(token_ids=await self._prompt_ids(request))
@@ -108,10 +110,12 @@ class _Run:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.completion_tokens = 0
+        self.outputs = 0  # messages from the worker
         self.finish_reason = ""
         metrics.waiting_queue_size.inc()
 
     def add(self, out: worker_pb2.WorkerGenerateResponse) -> worker_pb2.WorkerGenerateResponse:
+        self.outputs += 1
         if out.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
             metrics.time_to_first_token.observe(self.first_token_at - self.started)

@@ -24,6 +24,11 @@ def toks(*page_ids: int, tail: int = 0) -> list[int]:
     return [t for p in page_ids for t in [p] * PAGE] + [99] * tail
 
 
+def segment(cache, fingerprint: str = FP) -> str:
+    """The namespace's segment name, which AllocateSlots must name."""
+    return cache.namespace(fingerprint).pool.name
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

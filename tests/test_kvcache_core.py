@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from kvcached.cache import Commit, Conflict, Exhausted, InvalidRequest, KVCache, Match, NotFound
-from radixserve.blocks.slab import SEGMENT_PREFIX, SHM_DIR
-from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
+from radixserve.blocks.keys import block_hashes, namespace_key
+from radixserve.blocks.slab import EMPTY_KEY, SEGMENT_PREFIX, SHM_DIR
+from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, segment, toks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
 
@@ -48,7 +49,7 @@ def state(cache: Checked) -> list[tuple]:
 def put(cache: Checked, token_ids: list[int], first_page: int = 0, salt: str = "") -> tuple[int, ...]:
     """Allocates and commits pages [first_page, full pages) of `token_ids`; returns their slots."""
     count = len(token_ids) // PAGE - first_page
-    allocation = cache.allocate(FP, count)
+    allocation = cache.allocate(FP, segment(cache), count)
     assert len(allocation.slots) == count
     commit = cache.commit(FP, salt, token_ids, first_page, allocation.slots, allocation.allocation_id)
     assert commit == Commit(count, 0)
@@ -123,7 +124,7 @@ def test_register_without_room_in_dev_shm_is_exhausted(cache, monkeypatch):
 
 @pytest.mark.parametrize("call", [
     lambda c: c.match("nope", "", toks(1), lease=True),
-    lambda c: c.allocate("nope", 1),
+    lambda c: c.allocate("nope", "radixserve_1_00000000", 1),
     lambda c: c.commit("nope", "", toks(1), 0, [], "1-00"),
     lambda c: c.namespace("nope"),
 ])
@@ -154,7 +155,7 @@ def test_match_lease_release(cache, ns):
 
 def test_match_without_lease_takes_no_lease(cache, ns):
     put(cache, toks(1, 2))
-    assert cache.match(FP, "", toks(1, 2), lease=False) == Match(2, (0, 1), None)
+    assert cache.match(FP, "", toks(1, 2), lease=False) == Match(2, (0, 1), None, 0, (1, 1))
     assert cache.leases() == 0 and ns.index.locked_pages == 0
 
 
@@ -170,10 +171,10 @@ def test_two_leases_on_one_prefix_are_independent(cache, ns):
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    (toks(1, 2, 3), Match(3, (0, 1, 2), None)),
-    (toks(1, 2, 3, 4, tail=3), Match(3, (0, 1, 2), None)),
-    (toks(1, 2), Match(2, (0, 1), None)),
-    (toks(1, tail=3), Match(1, (0,), None)),
+    (toks(1, 2, 3), Match(3, (0, 1, 2), None, 0, (1, 1, 1))),
+    (toks(1, 2, 3, 4, tail=3), Match(3, (0, 1, 2), None, 0, (1, 1, 1))),
+    (toks(1, 2), Match(2, (0, 1), None, 0, (1, 1))),
+    (toks(1, tail=3), Match(1, (0,), None, 0, (1,))),
     (toks(tail=3), Match(0, (), None)),
     (toks(2, 3), Match(0, (), None)),
 ])
@@ -214,22 +215,22 @@ def test_lease_expires_at_its_ttl(cache, ns, clock):
 
 # -- allocate and commit --------------------------------------------------------------------------------------------
 def test_allocate_takes_free_slots_in_order(cache, ns):
-    a = cache.allocate(FP, 3)
-    b = cache.allocate(FP, 2)
+    a = cache.allocate(FP, segment(cache), 3)
+    b = cache.allocate(FP, segment(cache), 2)
     assert (a.slots, a.evicted, b.slots) == ((0, 1, 2), 0, (3, 4))
     assert a.allocation_id != b.allocation_id
     assert ns.allocated == {0, 1, 2, 3, 4} and ns.pool.num_free == 3
 
 
 def test_commit_frees_the_slots_it_does_not_use(cache, ns):
-    allocation = cache.allocate(FP, 4)
+    allocation = cache.allocate(FP, segment(cache), 4)
     assert cache.commit(FP, "", toks(1, 2), 0, allocation.slots[:2], allocation.allocation_id) == Commit(2, 0)
     assert ns.allocated == set() and ns.pool.num_free == SLOTS - 2
     assert cache.match(FP, "", toks(1, 2), lease=False).l2_slots == (0, 1)
 
 
 def test_commit_ends_the_allocation(cache, ns):
-    allocation = cache.allocate(FP, 2)
+    allocation = cache.allocate(FP, segment(cache), 2)
     cache.commit(FP, "", toks(1), 0, allocation.slots[:1], allocation.allocation_id)
     with pytest.raises(NotFound, match="unknown, expired"):
         cache.commit(FP, "", toks(1, 2), 1, allocation.slots[1:], allocation.allocation_id)
@@ -238,7 +239,7 @@ def test_commit_ends_the_allocation(cache, ns):
 def test_commit_continues_a_cached_prefix(cache, ns):
     assert put(cache, toks(1, 2)) == (0, 1)
     assert put(cache, toks(1, 2, 3, 4, tail=1), first_page=2) == (2, 3)
-    assert cache.match(FP, "", toks(1, 2, 3, 4), lease=False) == Match(4, (0, 1, 2, 3), None)
+    assert cache.match(FP, "", toks(1, 2, 3, 4), lease=False) == Match(4, (0, 1, 2, 3), None, 0, (1, 1, 1, 1))
 
 
 def test_commit_branching_off_inside_a_cached_edge(cache, ns):
@@ -250,8 +251,8 @@ def test_commit_branching_off_inside_a_cached_edge(cache, ns):
 
 def test_commit_after_its_prefix_was_evicted_inserts_nothing(cache, ns):
     put(cache, toks(1, 2))  # slots 0, 1
-    tail = cache.allocate(FP, 2)  # slots 2, 3: pages 2-3 of the same prompt, written by a worker
-    assert cache.allocate(FP, 6).evicted == 2  # needs 2 of the prefix's slots
+    tail = cache.allocate(FP, segment(cache), 2)  # slots 2, 3: pages 2-3 of the same prompt, written by a worker
+    assert cache.allocate(FP, segment(cache), 6).evicted == 2  # needs 2 of the prefix's slots
     assert cache.commit(FP, "", toks(1, 2, 3, 4), 2, tail.slots, tail.allocation_id) == Commit(0, 0)
     assert ns.index.total_pages == 0
     assert ns.pool.num_free == 2 and ns.allocated == set(range(SLOTS)) - set(tail.slots)
@@ -260,31 +261,31 @@ def test_commit_after_its_prefix_was_evicted_inserts_nothing(cache, ns):
 
 def test_commit_after_part_of_its_prefix_was_evicted_inserts_nothing(cache, ns):
     put(cache, toks(1, 2))  # slots 0, 1
-    tail = cache.allocate(FP, 1)  # slot 2
-    assert cache.allocate(FP, 6).evicted == 1  # page 1 goes, page 0 stays
-    assert cache.match(FP, "", toks(1, 2), lease=False) == Match(1, (0,), None)
+    tail = cache.allocate(FP, segment(cache), 1)  # slot 2
+    assert cache.allocate(FP, segment(cache), 6).evicted == 1  # page 1 goes, page 0 stays
+    assert cache.match(FP, "", toks(1, 2), lease=False) == Match(1, (0,), None, 0, (1,))
     assert cache.commit(FP, "", toks(1, 2, 3), 2, tail.slots, tail.allocation_id) == Commit(0, 0)
     assert ns.index.total_pages == 1 and ns.pool.num_free == 1
 
 
 def test_commit_of_pages_another_writer_cached_first(cache, ns):
-    a, b = cache.allocate(FP, 3), cache.allocate(FP, 4)  # two workers computed the same prompt
+    a, b = cache.allocate(FP, segment(cache), 3), cache.allocate(FP, segment(cache), 4)  # two workers computed the same prompt
     assert cache.commit(FP, "", toks(1, 2, 3), 0, a.slots, a.allocation_id) == Commit(3, 0)
     assert cache.commit(FP, "", toks(1, 2, 3, 4), 0, b.slots, b.allocation_id) == Commit(1, 3)
-    assert cache.match(FP, "", toks(1, 2, 3, 4), lease=False) == Match(4, (0, 1, 2, 6), None)
+    assert cache.match(FP, "", toks(1, 2, 3, 4), lease=False) == Match(4, (0, 1, 2, 6), None, 0, (1, 1, 1, 1))
     assert ns.allocated == set() and ns.pool.num_free == SLOTS - 4
 
 
 def test_commit_continuation_of_pages_already_cached(cache, ns):
     put(cache, toks(1, 2, 3, 4))
-    late = cache.allocate(FP, 2)
+    late = cache.allocate(FP, segment(cache), 2)
     assert cache.commit(FP, "", toks(1, 2, 3, 4), 2, late.slots, late.allocation_id) == Commit(0, 2)
     assert cache.match(FP, "", toks(1, 2, 3, 4), lease=False).l2_slots == (0, 1, 2, 3)
     assert ns.pool.num_free == SLOTS - 4
 
 
 def test_commit_of_no_pages_returns_the_allocation(cache, ns):
-    allocation = cache.allocate(FP, 3)
+    allocation = cache.allocate(FP, segment(cache), 3)
     assert cache.commit(FP, "", toks(tail=3), 0, [], allocation.allocation_id) == Commit(0, 0)
     assert ns.pool.num_free == SLOTS and ns.allocated == set()
 
@@ -303,7 +304,7 @@ def test_commit_of_no_pages_returns_the_allocation(cache, ns):
 ])
 def test_bad_commit_is_invalid_and_changes_nothing(cache, ns, token_ids, first_page, slots, message):
     put(cache, toks(1))  # slot 0
-    allocation, other = cache.allocate(FP, 3), cache.allocate(FP, 1)
+    allocation, other = cache.allocate(FP, segment(cache), 3), cache.allocate(FP, segment(cache), 1)
     assert (allocation.slots, other.slots) == ((1, 2, 3), (4,))
     before = state(cache)
     with pytest.raises(InvalidRequest, match=message):
@@ -317,12 +318,12 @@ def test_bad_commit_is_invalid_and_changes_nothing(cache, ns, token_ids, first_p
 def test_commit_of_an_allocation_that_is_not_live_is_not_found(cache, ns, which):
     put(cache, toks(1))
     cache.register("model-b", GEO)
-    allocation = cache.allocate(FP, 1)
+    allocation = cache.allocate(FP, segment(cache), 1)
     allocation_id = {
         "unknown": "ffff-00000000",
         "committed": allocation.allocation_id,
         "lease": cache.match(FP, "", toks(1), lease=True).lease_id,
-        "other namespace": cache.allocate("model-b", 1).allocation_id,
+        "other namespace": cache.allocate("model-b", segment(cache, "model-b"), 1).allocation_id,
     }[which]
     if which == "committed":
         cache.commit(FP, "", toks(2), 0, allocation.slots, allocation.allocation_id)
@@ -333,7 +334,7 @@ def test_commit_of_an_allocation_that_is_not_live_is_not_found(cache, ns, which)
 
 
 def test_allocation_expires_at_its_ttl(cache, ns, clock):
-    allocation = cache.allocate(FP, 3)
+    allocation = cache.allocate(FP, segment(cache), 3)
     clock.now = TTL - 0.001
     assert cache.expire() == 0 and ns.allocated == {0, 1, 2}
     clock.now = TTL
@@ -346,9 +347,9 @@ def test_allocation_expires_at_its_ttl(cache, ns, clock):
 
 def test_expiry_drops_only_what_is_due(cache, ns, clock):
     put(cache, toks(1))
-    old = cache.allocate(FP, 1)
+    old = cache.allocate(FP, segment(cache), 1)
     clock.now = 5.0
-    new = cache.allocate(FP, 1)
+    new = cache.allocate(FP, segment(cache), 1)
     lease = cache.match(FP, "", toks(1), lease=True).lease_id
     clock.now = TTL
     assert cache.expire() == 1
@@ -361,7 +362,7 @@ def test_expiry_drops_only_what_is_due(cache, ns, clock):
 
 def test_allocate_negative_count_is_invalid(cache, ns):
     with pytest.raises(InvalidRequest, match="count"):
-        cache.allocate(FP, -1)
+        cache.allocate(FP, segment(cache), -1)
     assert state(cache) == [(FP, SLOTS, frozenset(), 0, 0)]
 
 
@@ -370,7 +371,7 @@ def test_full_pool_with_everything_leased_allocates_nothing(cache, ns):
     put(cache, toks(1, 2, 3, 4))
     put(cache, toks(5, 6, 7, 8))
     leases = [cache.match(FP, "", toks(p), lease=True).lease_id for p in (1, 5)]
-    allocation = cache.allocate(FP, 3)
+    allocation = cache.allocate(FP, segment(cache), 3)
     assert (allocation.slots, allocation.evicted) == ((), 0)
     assert cache.commit(FP, "", toks(9), 0, [], allocation.allocation_id) == Commit(0, 0)
     assert ns.index.total_pages == SLOTS
@@ -382,7 +383,7 @@ def test_full_pool_with_some_leased_allocates_fewer(cache, ns):
     put(cache, toks(1, 2, 3))  # 0, 1, 2
     put(cache, toks(5, 6, 7))  # 3, 4, 5
     lease = cache.match(FP, "", toks(1), lease=True).lease_id  # pins all of (1, 2, 3): one edge
-    allocation = cache.allocate(FP, 7)
+    allocation = cache.allocate(FP, segment(cache), 7)
     assert allocation.evicted == 3
     assert allocation.slots == (3, 4, 5, 6, 7)  # 7, 6 free, then 5, 4, 3 evicted (far end first)
     assert cache.match(FP, "", toks(1, 2, 3), lease=False).pages == 3
@@ -395,7 +396,7 @@ def test_allocation_evicts_least_recently_used_first(cache, ns):
     put(cache, toks(3, 4))  # B: 2, 3
     put(cache, toks(5, 6))  # C: 4, 5; slots 6, 7 stay free
     cache.match(FP, "", toks(1), lease=False)  # A is now the most recent: LRU order is B, C, A
-    allocation = cache.allocate(FP, 5)  # 2 free + 3 evicted: B's 2 pages, then C's far page
+    allocation = cache.allocate(FP, segment(cache), 5)  # 2 free + 3 evicted: B's 2 pages, then C's far page
     assert allocation.evicted == 3
     assert allocation.slots == (5, 2, 3, 6, 7)  # not in eviction order: free() extends, allocate pops
     assert cache.match(FP, "", toks(1, 2), lease=False).l2_slots == (0, 1)
@@ -408,23 +409,51 @@ def test_eviction_spares_a_shared_prefix_until_its_branches_go(cache, ns):
     put(cache, toks(1, 2, 7), first_page=2)  # 3
     put(cache, toks(9, 9))  # 4, 5
     cache.match(FP, "", toks(9, 9), lease=False)  # LRU: branch (3), branch (7), then (9, 9)
-    assert cache.allocate(FP, 4).evicted == 2  # 2 free (6, 7) + the two branch pages
+    assert cache.allocate(FP, segment(cache), 4).evicted == 2  # 2 free (6, 7) + the two branch pages
     assert cache.match(FP, "", toks(1, 2, 3), lease=False).l2_slots == (0, 1)
     assert cache.match(FP, "", toks(9, 9), lease=False).pages == 2
 
 
 def test_allocation_larger_than_needed_evicts_only_the_shortfall(cache, ns):
     put(cache, toks(1, 2, 3))
-    assert cache.allocate(FP, 5).evicted == 0
-    assert cache.allocate(FP, 1).evicted == 1
+    assert cache.allocate(FP, segment(cache), 5).evicted == 0
+    assert cache.allocate(FP, segment(cache), 1).evicted == 1
     assert cache.match(FP, "", toks(1, 2, 3), lease=False).pages == 2
 
 
 def test_leased_pages_survive_eviction_until_the_lease_expires(cache, ns, clock):
     put(cache, toks(1, 2, 3, 4, 5, 6, 7, 8))  # one edge in slots 0..7
     cache.match(FP, "", toks(1), lease=True)  # pins the whole edge
-    assert cache.allocate(FP, 1)[1:] == ((), 0)
+    assert cache.allocate(FP, segment(cache), 1)[1:] == ((), 0)
     clock.now = TTL
     assert cache.expire() == 2  # the lease and the empty allocation
-    assert cache.allocate(FP, 2)[1:] == ((6, 7), 2)  # pages 8 and 7 went
+    assert cache.allocate(FP, segment(cache), 2)[1:] == ((6, 7), 2)  # pages 8 and 7 went
     assert cache.match(FP, "", toks(1, 2, 3, 4, 5, 6, 7, 8), lease=False).pages == 6
+
+
+# -- slot headers, segments and caps --------------------------------------------------------------------------------
+
+def test_a_committed_slot_names_its_block_and_a_reallocated_one_changes_generation(cache, ns):
+    slots = put(cache, toks(1, 2))
+    hashes = block_hashes(namespace_key(FP, ""), toks(1, 2), PAGE)
+    assert [ns.pool.segment.header(s) for s in slots] == [(1, hashes[0]), (1, hashes[1])]
+    assert cache.allocate(FP, segment(cache), SLOTS - 2).slots == (2, 3, 4, 5, 6, 7)
+    again = cache.allocate(FP, segment(cache), 1)  # evicts page 2 (slot 1) and hands its slot out again
+    assert again.slots == (1,) and ns.pool.segment.header(1) == (2, EMPTY_KEY)
+    assert ns.pool.segment.header(0) == (1, hashes[0])  # untouched
+
+
+def test_allocate_in_another_segment_is_a_conflict(cache, ns):
+    with pytest.raises(Conflict, match="register again"):
+        cache.allocate(FP, "radixserve_1_deadbeef", 1)
+    assert cache.allocations() == 0
+
+
+def test_caps_on_allocation_size_and_ttl(cache, ns):
+    with pytest.raises(InvalidRequest, match=r"\[0, 1024\] \(--max-allocation-slots\), got 1025"):
+        cache.allocate(FP, segment(cache), 1025)
+    with pytest.raises(InvalidRequest, match=r"exceeds the cap of 300 s \(--max-lease-ttl-s\)"):
+        cache.match(FP, "", toks(1), lease=True, ttl_s=301)
+    with pytest.raises(InvalidRequest, match="--max-lease-ttl-s"):
+        cache.allocate(FP, segment(cache), 1, ttl_s=4e6)
+    assert (cache.leases(), cache.allocations()) == (0, 0)

@@ -55,8 +55,9 @@ def test_optional_disk_tier_runs_without_it(stack, tmp_path):
 
 
 def write_blocks(kv: kvcache_pb2_grpc.KVCacheStub, pages: int) -> None:
-    kv.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=FP, geometry=DAEMON_GEO.to_pb()))
-    allocation = kv.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=FP, count=pages))
+    handle = kv.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=FP, geometry=DAEMON_GEO.to_pb()))
+    allocation = kv.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=FP, count=pages,
+                                                          segment_name=handle.segment_name))
     kv.CommitBlocks(pb.CommitBlocksRequest(model_fingerprint=FP, token_ids=toks(*range(1, pages + 1)),
                                            slots=allocation.slots, allocation_id=allocation.allocation_id))
 

@@ -162,10 +162,18 @@ def register(daemon: Daemon, fingerprint: str, **geometry) -> pb.PoolHandle:
                                          timeout=5)
 
 
+def allocate(stub, fingerprint: str, count: int) -> pb.AllocateSlotsResponse:
+    """AllocateSlots in the namespace's segment, as a registered worker asks."""
+    segment = stub.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=fingerprint, geometry=GEO),
+                                     timeout=5).segment_name
+    return stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fingerprint, count=count,
+                                                      segment_name=segment), timeout=5)
+
+
 def put(daemon: Daemon, fingerprint: str, token_ids: list[int], first_page: int = 0) -> list[int]:
     """Allocates and commits pages [first_page, full pages) of `token_ids`, writing nothing; returns the slots."""
     count = len(token_ids) // PAGE - first_page
-    allocation = daemon.stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fingerprint, count=count))
+    allocation = allocate(daemon.stub, fingerprint, count)
     assert len(allocation.slots) == count
     commit = daemon.stub.CommitBlocks(pb.CommitBlocksRequest(
         model_fingerprint=fingerprint, token_ids=token_ids, first_page=first_page, slots=allocation.slots,
@@ -217,7 +225,7 @@ def test_register_returns_the_pool_and_is_idempotent(daemon, fp):
 def test_bytes_written_into_allocated_slots_read_back_after_match(daemon, fp):
     handle = register(daemon, fp)
     prompt = toks(1, 2, 3, tail=2)
-    allocation = daemon.stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=3))
+    allocation = allocate(daemon.stub, fp, 3)
     assert len(allocation.slots) == 3
     blocks = [os.urandom(SLOT_BYTES) for _ in allocation.slots]
     pool = SlabSegment.attach(handle.segment_name, handle.slot_bytes, handle.num_slots)
@@ -246,7 +254,7 @@ def test_commit_continuing_a_prefix_and_commit_of_cached_pages(daemon, fp):
     register(daemon, fp)
     head = put(daemon, fp, toks(1, 2))
     tail = put(daemon, fp, toks(1, 2, 3), first_page=2)
-    late = daemon.stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=3))
+    late = allocate(daemon.stub, fp, 3)
     commit = daemon.stub.CommitBlocks(pb.CommitBlocksRequest(
         model_fingerprint=fp, token_ids=toks(1, 2, 3), slots=late.slots, allocation_id=late.allocation_id))
     assert (commit.inserted, commit.already_cached) == (0, 3)
@@ -280,6 +288,12 @@ BAD_CALLS = {
                                 lambda s, x: s.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint="nope"))),
     "allocate unknown namespace": (NOT_FOUND, "namespace 'nope' is not registered", lambda s, x: s.AllocateSlots(
         pb.AllocateSlotsRequest(model_fingerprint="nope", count=1))),
+    "allocate in a superseded segment": (FAILED_PRECONDITION, "register again", lambda s, x: s.AllocateSlots(
+        pb.AllocateSlotsRequest(model_fingerprint=x.fp, count=1, segment_name="radixserve_1_00000000"))),
+    "allocate past the cap": (INVALID_ARGUMENT, r"\(--max-allocation-slots\), got 4294967295",
+                              lambda s, x: allocate(s, x.fp, 2**32 - 1)),
+    "lease TTL past the cap": (INVALID_ARGUMENT, r"cap of 300 s \(--max-lease-ttl-s\)", lambda s, x: s.MatchPrefix(
+        pb.MatchPrefixRequest(model_fingerprint=x.fp, token_ids=toks(1), lease=True, lease_ttl_ms=2**32 - 1))),
     "commit unknown namespace": (NOT_FOUND, "namespace 'nope' is not registered",
                                  lambda s, x: _commit(s, x, model_fingerprint="nope")),
     "geometry disagrees": (FAILED_PRECONDITION, "is registered with", lambda s, x: s.RegisterNamespace(
@@ -316,12 +330,12 @@ def test_bad_input_gets_a_precise_status_and_changes_nothing(daemon, fp, case):
     code, message, call = BAD_CALLS[case]
     register(daemon, fp)
     stub = daemon.stub
-    committed = stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=1))
+    committed = allocate(stub, fp, 1)
     stub.CommitBlocks(pb.CommitBlocksRequest(model_fingerprint=fp, token_ids=toks(1), slots=committed.slots,
                                              allocation_id=committed.allocation_id))
     released = stub.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=fp, token_ids=toks(1), lease=True))
     stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=released.lease_id))
-    setup = Setup(fp, stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=2)),
+    setup = Setup(fp, allocate(stub, fp, 2),
                   stub.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=fp, token_ids=toks(1), lease=True)).lease_id,
                   committed.allocation_id, released.lease_id)
     before, segments = stub.GetStats(pb.GetStatsRequest()), daemon.segments()
@@ -349,7 +363,7 @@ def test_leases_and_allocations_expire_in_the_background(short_lived, fp):
     lease = stub.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=fp, token_ids=toks(1), lease=True)).lease_id
     kept = stub.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=fp, token_ids=toks(1), lease=True,
                                                   lease_ttl_ms=60_000)).lease_id
-    allocation = stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=2))
+    allocation = allocate(stub, fp, 2)
     assert len(allocation.slots) == 2
     stats = daemon.namespace_stats(fp)
     assert (stats.leases, stats.allocations, stats.slots_free) == (2, 1, stats.slots_total - 3)
@@ -381,7 +395,7 @@ def test_full_pool_evicts_lru_and_counts_it(small, fp):
     first, second = put(daemon, fp, toks(1, 2)), put(daemon, fp, toks(3, 4))
     stub.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=fp, token_ids=toks(1)))  # (3, 4) is now the LRU
     evictions = daemon.metrics().get(("radixserve_kvcached_evictions_total", (("tier", "l2"),)), 0)
-    allocation = stub.AllocateSlots(pb.AllocateSlotsRequest(model_fingerprint=fp, count=1))
+    allocation = allocate(stub, fp, 1)
     stub.CommitBlocks(pb.CommitBlocksRequest(model_fingerprint=fp, allocation_id=allocation.allocation_id))
     assert list(allocation.slots) == second[1:]
     assert daemon.metrics()[("radixserve_kvcached_evictions_total", (("tier", "l2"),))] == evictions + 1

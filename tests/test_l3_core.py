@@ -12,7 +12,8 @@ from kvcached.__main__ import check_idle
 from kvcached.cache import KVCache
 from kvcached.l3 import L3, WritePolicy
 from kvcached.tiers.lmdb_tier import DiskTier
-from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, toks
+from radixserve.blocks.slab import EMPTY_KEY
+from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, segment, toks
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def close_all():
 
 def commit(cache: Checked, tokens: list[int], first_page: int = 0) -> None:
     pages = len(tokens) // PAGE - first_page
-    allocation = cache.allocate(FP, pages)
+    allocation = cache.allocate(FP, segment(cache), pages)
     for i, slot in enumerate(allocation.slots):  # distinct bytes per page, to check what L3 gets
         cache.namespace(FP).pool.view(slot)[:] = bytes([first_page + i + 1]) * BLOCK
     cache.commit(FP, "", tokens, first_page, allocation.slots, allocation.allocation_id)
@@ -75,7 +76,7 @@ def test_write_back_stores_only_what_l2_evicts_with_its_bytes(disk, close_all):
     close_all(cache)
     commit(cache, toks(1, 2, 3, 4, 5, 6))
     assert stored(cache, disk) == 0
-    cache.allocate(FP, 4)  # 2 free: evicts pages 6 and 5, leaf end first
+    cache.allocate(FP, segment(cache), 4)  # 2 free: evicts pages 6 and 5, leaf end first
     assert stored(cache, disk) == 2
     match = cache.match(FP, "", toks(1, 2, 3, 4, 5, 6), lease=False)
     assert (match.pages, match.l3_pages) == (4, 2)
@@ -83,12 +84,22 @@ def test_write_back_stores_only_what_l2_evicts_with_its_bytes(disk, close_all):
     assert disk.get(hashes[5]) == bytes([6]) * BLOCK
 
 
+def test_a_slot_whose_header_does_not_name_the_block_never_reaches_l3(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_BACK)
+    close_all(cache)
+    commit(cache, toks(1, 2))
+    pool = cache.namespace(FP).pool
+    pool.set_key(1, bytes(range(16)))  # as if slot 1 had been rewritten behind the index's back
+    cache.allocate(FP, segment(cache), SLOTS)  # evicts both pages: write-back stores what it can vouch for
+    assert stored(cache, disk) == 1 and cache.l3.unverified_blocks == 1
+
+
 def test_prefetch_loads_the_l3_run_front_to_back_into_l2(disk, close_all):
     cache = make_cache(disk, WritePolicy.WRITE_BACK)
     close_all(cache)
     prompt = toks(1, 2, 3, 4, 5, 6)
     commit(cache, prompt)
-    cache.allocate(FP, 5)  # evicts pages 6, 5, 4 to L3
+    cache.allocate(FP, segment(cache), 5)  # evicts pages 6, 5, 4 to L3
     assert stored(cache, disk) == 3
     match = cache.match(FP, "", prompt, lease=False)
     assert (match.pages, match.l3_pages) == (3, 3)
@@ -100,7 +111,9 @@ def test_prefetch_loads_the_l3_run_front_to_back_into_l2(disk, close_all):
     for page in range(3, 6):
         slot = prefetch.slots[page - 3]
         assert disk.read_into(hashes[page], cache.namespace(FP).pool.view(slot))
+        assert cache.namespace(FP).pool.segment.header(slot).key == EMPTY_KEY  # bytes in, not yet vouched for
         assert cache.prefetched(prefetch)
+        assert cache.namespace(FP).pool.segment.header(slot).key == hashes[page]
         assert cache.match(FP, "", prompt, lease=False).pages == page + 1
     cache.end_prefetch(prefetch)
     assert prefetch.done and cache.prefetch(prefetch.prefetch_id) is None
@@ -111,7 +124,7 @@ def test_end_prefetch_frees_unloaded_slots_but_keeps_a_stuck_one(disk, close_all
     close_all(cache)
     prompt = toks(1, 2, 3, 4, 5, 6)
     commit(cache, prompt)
-    cache.allocate(FP, 6)
+    cache.allocate(FP, segment(cache), 6)
     cache.raw._clock.now += 2 * TTL
     cache.raw.expire()
     match = cache.match(FP, "", prompt, lease=False)

@@ -1,8 +1,10 @@
 """L2: the owner side of a slab pool in POSIX shared memory.
 
 kvcached creates the segment and owns its free list (`SlabPool`); workers attach by name
-(`radixserve.blocks.slab.SlabSegment`) and read or write slot bytes. The pool only hands out slots: which block a
-slot holds is the radix index's business. `cleanup_stale_segments` removes the segments of dead daemons.
+(`radixserve.blocks.slab.SlabSegment`) and read or write slot bytes. The pool hands out slots and keeps each slot's
+header (see `radixserve.blocks.slab`): `allocate` gives the slot a new generation and clears its key, `set_key`
+names the block it holds once its bytes are in place. Which block a slot holds is the radix index's business; the
+header lets a reader check it. `cleanup_stale_segments` removes the segments of dead daemons.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import os
 from collections.abc import Callable, Iterable
 from multiprocessing.shared_memory import SharedMemory
 
-from radixserve.blocks.slab import SEGMENT_PREFIX, SHM_DIR, SlabSegment, check_slab_geometry, segment_pid
+from radixserve.blocks.slab import (EMPTY_KEY, HEADER, HEADER_BYTES, SEGMENT_PREFIX, SHM_DIR, SlabSegment,
+                                    check_slab_geometry, segment_bytes, segment_pid)
 
 
 class SlabPool:
@@ -36,7 +39,7 @@ class SlabPool:
         in Docker) would kill the writer with SIGBUS. Hence the free-space check here, once, up front.
         """
         check_slab_geometry(slot_bytes, num_slots)
-        size = slot_bytes * num_slots
+        size = segment_bytes(slot_bytes, num_slots)
         if os.path.isdir(SHM_DIR) and _free_bytes(SHM_DIR) < size:
             raise ValueError(f"{SHM_DIR} has {_free_bytes(SHM_DIR)} bytes free, the pool needs {size}")
         return cls(SharedMemory(name, create=True, size=size), slot_bytes, num_slots)
@@ -60,15 +63,27 @@ class SlabPool:
     def view(self, slot: int) -> memoryview:
         return self.segment.view(slot)
 
+    def generation(self, slot: int) -> int:
+        return self.segment.generation(slot)
+
     def allocate(self, n: int) -> list[int]:
-        """Takes up to `n` free slots (fewer when the pool runs short); the caller frees them."""
+        """Takes up to `n` free slots (fewer when the pool runs short), each with a new generation and no key; the
+        caller frees them."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         start = len(self._free) - min(n, len(self._free))
         taken = self._free[start:][::-1]
         del self._free[start:]
         self._used.update(taken)
+        for slot in taken:
+            HEADER.pack_into(self._shm.buf, slot * HEADER_BYTES, self.generation(slot) + 1, EMPTY_KEY)
         return taken
+
+    def set_key(self, slot: int, key: bytes) -> None:
+        """Names the block an allocated slot now holds (its bytes must already be in place)."""
+        if slot not in self._used or len(key) != len(EMPTY_KEY):
+            raise ValueError(f"slot {slot} is not allocated, or the key is not {len(EMPTY_KEY)} bytes")
+        HEADER.pack_into(self._shm.buf, slot * HEADER_BYTES, self.generation(slot), key)
 
     def free(self, slots: Iterable[int]) -> None:
         """Returns allocated slots to the pool. Raises ValueError, freeing none, unless all are allocated and

@@ -3,6 +3,15 @@
 kvcached creates each segment, owns its free list and unlinks it (`kvcached.tiers.dram_shm.SlabPool`); a worker
 attaches by name and reads or writes slot bytes. Which block a slot holds is the radix index's business.
 
+Segment layout: a header per slot, then the slots, page-aligned:
+
+    | header 0 | header 1 | ... | (pad to 4096) | slot 0 | slot 1 | ... |
+    header: generation (u64, little-endian) | block key (16 bytes, zeros while the slot holds no cached block) | 8 spare
+
+Only kvcached writes headers. The generation changes whenever the slot is allocated again, so a reader that sees the
+same generation before and after copying a slot copied bytes nobody rewrote meanwhile (a seqlock), and the key says
+which block those bytes are.
+
 Segment names are `radixserve_<owner pid>_<8 hex>`, so a restarted daemon can remove the segments of a dead one.
 NOTE: on Linux a segment is a file in /dev/shm and outlives its processes until someone unlinks it.
 """
@@ -11,12 +20,33 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from typing import NamedTuple
 
 SEGMENT_PREFIX = "radixserve_"
 SHM_DIR = "/dev/shm"
+HEADER_BYTES = 32
+HEADER = struct.Struct("<Q16s")  # generation, block key
+GENERATION = struct.Struct("<Q")
+DATA_ALIGN = 4096  # slots start on a page boundary: memmove and cudaHostRegister like it
+EMPTY_KEY = bytes(16)
+
+
+class SlotHeader(NamedTuple):
+    generation: int
+    key: bytes  # the block key of the cached block the slot holds; EMPTY_KEY while it holds none
+
+
+def data_offset(num_slots: int) -> int:
+    """Where slot 0 starts: after every slot's header, rounded up to a page."""
+    return -(-num_slots * HEADER_BYTES // DATA_ALIGN) * DATA_ALIGN
+
+
+def segment_bytes(slot_bytes: int, num_slots: int) -> int:
+    return data_offset(num_slots) + slot_bytes * num_slots
 
 
 class SlabSegment:
@@ -29,12 +59,13 @@ class SlabSegment:
     def __init__(self, shm: SharedMemory, slot_bytes: int, num_slots: int) -> None:
         """Use `attach` (or `SlabPool.create` on the owner's side)."""
         check_slab_geometry(slot_bytes, num_slots)
-        if shm.size < slot_bytes * num_slots:
+        if shm.size < segment_bytes(slot_bytes, num_slots):
             shm.close()
-            raise ValueError(f"segment {shm.name} holds {shm.size} bytes, not {num_slots} x {slot_bytes}")
+            raise ValueError(f"segment {shm.name} holds {shm.size} bytes, not {num_slots} x {slot_bytes} and headers")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self._shm = shm
+        self._data = data_offset(num_slots)
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, num_slots: int) -> SlabSegment:
@@ -52,14 +83,23 @@ class SlabSegment:
     @property
     def buffer(self) -> memoryview:
         """All slots as one memoryview, e.g. for `torch.frombuffer`; it counts as a view for `close()`."""
-        return self._shm.buf[: self.slot_bytes * self.num_slots]
+        return self._shm.buf[self._data:self._data + self.slot_bytes * self.num_slots]
 
     def view(self, slot: int) -> memoryview:
         """The bytes of `slot`, writable, shared with every process attached to the segment."""
+        start = self._data + self._check(slot) * self.slot_bytes
+        return self._shm.buf[start:start + self.slot_bytes]
+
+    def header(self, slot: int) -> SlotHeader:
+        return SlotHeader(*HEADER.unpack_from(self._shm.buf, self._check(slot) * HEADER_BYTES))
+
+    def generation(self, slot: int) -> int:
+        return GENERATION.unpack_from(self._shm.buf, self._check(slot) * HEADER_BYTES)[0]
+
+    def _check(self, slot: int) -> int:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
-        start = slot * self.slot_bytes
-        return self._shm.buf[start:start + self.slot_bytes]
+        return slot
 
     def close(self) -> None:
         """Unmaps the segment from this process."""
