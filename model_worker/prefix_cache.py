@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy
@@ -35,7 +38,6 @@ from model_worker.kv_pool import KVPool
 from model_worker.kvcache_client import Attached, CommitJob, KVCacheClient
 from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
 from radixserve.blocks.radix import Lease, RadixIndex
-
 
 LEASE_MARGIN_MS = 50  # a lease this close to its expiry is not used: copying a long prefix takes ~10 ms here
 
@@ -147,30 +149,12 @@ class PrefixCache:
             return [], False
         self.make_room(len(slots))
         pages = self._pool.allocate(len(slots))
-        kept, reason = self._copy_verified(attached, pages, slots, generations, hashes[first:])
+        kept, reason = copy_verified(self._block_copy, self._pool.kv, attached, pages, slots, generations,
+                                     hashes[first:])
         if kept < len(slots):
             metrics.l2_pages_rejected.labels(reason=reason).inc(len(slots) - kept)
         self._pool.decref(pages[kept:])
         return pages[:kept], kept == len(slots)
-
-    def _copy_verified(self, attached: Attached, pages: list[int], slots: tuple[int, ...],
-                       generations: tuple[int, ...], keys: list[BlockHash]) -> tuple[int, str]:
-        """Copies slots into pages up to the first whose header is not (its generation, its key); then drops the
-        tail from the first slot whose generation changed during the copies. How many pages hold verified blocks,
-        and why the next one failed."""
-        segment, kept, reason = attached.segment, 0, ""
-        for page, slot, generation, key in zip(pages, slots, generations, keys):
-            header = segment.header(slot)
-            if header != (generation, key):
-                reason = "generation" if header.generation != generation else "key"
-                break
-            self._block_copy.copy(self._pool.kv[page], attached.blocks[slot])
-            kept += 1
-        self._block_copy.drain()  # the copies are complete before the generations are read again
-        for i in range(kept):
-            if segment.generation(slots[i]) != generations[i]:
-                return i, "generation"
-        return kept, reason
 
     def _release_l2(self, state: CacheState) -> None:
         if state.l2_lease_pending and self._client is not None:
@@ -236,3 +220,23 @@ def _unusable(lease: L2Lease, attached: Attached | None, slots: tuple[int, ...])
     if max(slots) >= attached.segment.num_slots:
         return "out_of_range"
     return ""
+
+
+def copy_verified(block_copy: HostBlockCopy, l1_kv: torch.Tensor, attached: Attached, pages: list[int],
+                  slots: Sequence[int], generations: Sequence[int], keys: Sequence[BlockHash]) -> tuple[int, str]:
+    """Copies `attached` slots into L1 `pages` up to the first slot whose header is not (its generation, its key);
+    then drops the tail from the first slot whose generation changed during the copies (a seqlock). How many pages
+    hold verified blocks, and why the next one failed ("" when none did)."""
+    segment, kept, reason = attached.segment, 0, ""
+    for page, slot, generation, key in zip(pages, slots, generations, keys):
+        header = segment.header(slot)
+        if header != (generation, key):
+            reason = "generation" if header.generation != generation else "key"
+            break
+        block_copy.copy(l1_kv[page], attached.blocks[slot])
+        kept += 1
+    block_copy.drain()  # the copies are complete before the generations are read again
+    for i in range(kept):
+        if segment.generation(slots[i]) != generations[i]:
+            return i, "generation"
+    return kept, reason

@@ -13,8 +13,17 @@ import os
 from collections.abc import Callable, Iterable
 from multiprocessing.shared_memory import SharedMemory
 
-from radixserve.blocks.slab import (EMPTY_KEY, HEADER, HEADER_BYTES, SEGMENT_PREFIX, SHM_DIR, SlabSegment,
-                                    check_slab_geometry, segment_bytes, segment_pid)
+from radixserve.blocks.slab import (
+    EMPTY_KEY,
+    HEADER,
+    HEADER_BYTES,
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    SlabSegment,
+    check_slab_geometry,
+    segment_bytes,
+    segment_pid,
+)
 
 
 class SlabPool:
