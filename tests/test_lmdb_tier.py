@@ -1,3 +1,4 @@
+import os
 import signal
 import subprocess
 import sys
@@ -151,6 +152,19 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
         DiskTier(tmp_path / "file" / "l3", budget_bytes=1 << 20)
     with pytest.raises(ValueError):
         DiskTier(tmp_path / "ok", budget_bytes=0)
+
+
+def modes(directory: Path) -> tuple[int, int, int]:
+    return tuple(os.stat(p).st_mode & 0o777 for p in (directory, directory / "data.mdb", directory / "lock.mdb"))
+
+
+def test_the_environment_is_private(tmp_path):
+    with DiskTier(tmp_path / "new", budget_bytes=1 << 20):
+        assert modes(tmp_path / "new") == (0o700, 0o600, 0o600)
+    lmdb.open(str(tmp_path / "old"), mode=0o644).close()  # as made before: a 0755 directory, 0644 files
+    os.chmod(tmp_path / "old", 0o755)
+    with DiskTier(tmp_path / "old", budget_bytes=1 << 20):
+        assert modes(tmp_path / "old") == (0o700, 0o644, 0o644)
 
 
 def test_full_queue_drops_and_counts(tmp_path, monkeypatch):

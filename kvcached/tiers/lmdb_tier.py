@@ -38,6 +38,12 @@ cache); a system crash may undo the last commit but cannot corrupt the environme
 this flag), so it always reopens. `sync=False` was ~25% faster but lets a system crash corrupt the whole file;
 `writemap` gave no speed-up and lets a stray in-process write corrupt the map. A block that still fails its checksum
 is a miss, never served.
+
+Files: the blocks are KV caches of users' prompts, so the environment is private to the daemon's user. Its directory
+is created 0700, and an existing one with group or other bits is tightened to 0700; when the daemon does not own it,
+that chmod fails and the tier does not open (DiskTierError, like an unwritable path: the daemon exits, or runs
+without L3 under --disk-cache-optional). LMDB creates data.mdb and lock.mdb 0600 (`mode`, less the umask). An
+environment made before this keeps its files' 0644, behind the now private directory.
 """
 
 from __future__ import annotations
@@ -477,12 +483,15 @@ class DiskTier:
 
 
 def _open_env(path: str, map_size: int) -> lmdb.Environment:
+    """The environment in `path`, made private first (see "Files" in the module docstring)."""
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)  # fails (EPERM) unless this user owns the directory: then the tier does not open
         if not os.access(path, os.W_OK):
             raise PermissionError("directory is not writable")
         return lmdb.open(path, map_size=map_size, max_dbs=0, sync=True, metasync=False, meminit=False,
-                         max_readers=256)
+                         max_readers=256, mode=0o600)
     except (OSError, lmdb.Error) as exc:
         raise DiskTierError(f"cannot open the L3 disk tier at {path}: {exc}") from exc
 
