@@ -1,15 +1,25 @@
 """The gRPC wiring every radixserve process shares: logging, status mapping, health, reflection, metrics, shutdown.
 
 A servicer raises `ServiceError(code, message)` for anything the client did wrong or that cannot be served now; the
-`StatusInterceptor` turns it into that status and message. Any other exception is logged with its traceback and the
-client gets INTERNAL with a one-line message, never the traceback.
+`StatusInterceptor` turns it into that status and message. With `retry_after_s` (overload) the status also carries a
+`google.rpc.RetryInfo` detail in the standard rich-status trailer (`grpc-status-details-bin`), which a client reads
+with `grpc_status.rpc_status.from_call` (or `retry_after_s` here). Any other exception is logged with its traceback
+and the client gets INTERNAL with a one-line message, never the traceback. A request that does not decode (bytes that
+are not the method's message, invalid UTF-8 in a string field) is INVALID_ARGUMENT, where grpc.aio alone says UNKNOWN.
+
+Every server is bounded (`make_server`): requests over `MAX_MESSAGE_BYTES` and RPCs past `MAX_CONCURRENT_RPCS` in
+flight get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import inspect
 import json
 import logging
+import math
+import os
 import signal
 import sys
 import time
@@ -17,24 +27,94 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 from prometheus_client import start_http_server
 
 log = logging.getLogger("radixserve.server")
 
+LAUNCHER_PID_ENV = "RADIXSERVE_LAUNCHER_PID"  # set by radixserve.launch for the services it starts
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_launcher() -> None:
+    """If `radixserve.launch` started this process, asks the kernel for SIGTERM when the launcher's thread dies
+    (Linux), so a SIGKILLed launcher orphans no service; a launcher already gone ends this process at once."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect: nobody would signal us
+        raise SystemExit("the launcher that started this service is gone")
+
+
+
+# The largest legitimate request is about 1 MiB: the router's default --max-input-chars, 262,144 characters, is at
+# most 1 MiB of UTF-8 (4 bytes a character); a prompt of 128k token ids (a long-context model) is at most 640 KiB
+# as varints (5 bytes an id; 384 KiB for ids below 2^21); 1,024 chat messages add ~4 KiB of framing, 16 stop
+# strings of 512 characters 32 KiB; a worker request (ids + a lease of one slot and generation per page) and
+# kvcached's requests (one prompt's ids) are smaller. 4 MiB leaves 4x headroom and is gRPC's own default.
+MAX_MESSAGE_BYTES = 4 << 20
+# Past this many RPCs in flight on one server gRPC answers RESOURCE_EXHAUSTED itself: a flood costs a bounded number
+# of tasks and buffers. A worker or kvcached sees about one RPC per router request in flight, so with the same bound
+# everywhere the router, the public server, is the one that refuses first.
+MAX_CONCURRENT_RPCS = 1024
+# A status message travels as the `grpc-message` trailer, percent-encoded (up to 12 bytes per non-ASCII character),
+# and again in `grpc-status-details-bin`; gRPC clients refuse trailers past 8 KiB (some calls) to 16 KiB (all) as
+# RESOURCE_EXHAUSTED "metadata size exceeds". 400 characters keep the worst case under 8 KiB.
+MAX_DETAILS_CHARS = 400
+
 
 class ServiceError(Exception):
-    """A request that gets a precise gRPC status; the message says what was wrong."""
+    """A request that gets a precise gRPC status; the message says what was wrong.
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    `retry_after_s` (say, RESOURCE_EXHAUSTED for overload) adds a `google.rpc.RetryInfo` detail with that delay.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
+        if retry_after_s is not None and not (math.isfinite(retry_after_s) and retry_after_s >= 0):
+            raise ValueError(f"retry_after_s must be a finite number >= 0, not {retry_after_s}")
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+    def rich_status(self) -> grpc.Status:
+        """The status with its details in `grpc-status-details-bin`: a RetryInfo when `retry_after_s` is set."""
+        status = status_pb2.Status(code=self.code.value[0], message=_one_line(self.message))
+        if self.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(round(self.retry_after_s * 1e9))
+            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        return rpc_status.to_status(status)
 
 
 def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def retry_after_s(error: grpc.RpcError) -> float | None:
+    """The RetryInfo delay a failed call's status carries (None without one): what a client waits before retrying,
+    and what a router passes on when it forwards a worker's RESOURCE_EXHAUSTED."""
+    try:
+        status = rpc_status.from_call(error)
+    except (AttributeError, ValueError):  # not a call's error, or a trailer that disagrees with the status
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.ToNanoseconds() / 1e9
+    return None
+
+
+def _one_line(message: str) -> str:
+    """The message as one line of at most MAX_DETAILS_CHARS characters."""
+    line = " ".join(message.split())
+    return line if len(line) <= MAX_DETAILS_CHARS else line[:MAX_DETAILS_CHARS - 3] + "..."
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,23 +138,54 @@ def setup_logging(level: str) -> None:
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by handlers to gRPC statuses (see the module docstring)."""
+    """Maps exceptions raised by handlers, and requests that do not decode, to gRPC statuses (see the module
+    docstring). Client-streaming handlers (reflection) pass through untouched."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or handler.request_streaming:
+            return handler
         method = handler_call_details.method
+        decode = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
-            return handler._replace(unary_unary=_guard_unary(handler.unary_unary, method))
+            return handler._replace(request_deserializer=decode,
+                                    unary_unary=_guard_unary(handler.unary_unary, method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=_guard_stream(handler.unary_stream, method))
+            return handler._replace(request_deserializer=decode,
+                                    unary_stream=_guard_stream(handler.unary_stream, method))
         return handler
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """What `_tolerant` hands the guard instead of a request whose bytes did not parse."""
+
+    error: str
+
+
+def _tolerant(deserialize):
+    """`deserialize`, returning `_Undecodable` instead of raising: grpc.aio would answer UNKNOWN."""
+    if deserialize is None:
+        return None
+
+    def decode(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as exc:  # a corrupt wire format, invalid UTF-8 in a string field, nesting too deep
+            return _Undecodable(str(exc) or "DecodeError")
+    return decode
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise invalid(f"the request is not a valid message: {request.error}")
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(exc, ServiceError):
-        await context.abort(exc.code, exc.message)
+        if exc.retry_after_s is None:
+            await context.abort(exc.code, _one_line(exc.message))
+        await context.abort_with_status(exc.rich_status())
     log.exception("unhandled error", extra={"method": method})
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 
@@ -82,6 +193,7 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
 def _guard_unary(fn, method: str):
     async def guarded(request, context):
         try:
+            _check_decoded(request)
             return await fn(request, context)
         except Exception as exc:  # CancelledError is a BaseException: it passes through
             if _is_abort(exc):
@@ -91,8 +203,12 @@ def _guard_unary(fn, method: str):
 
 
 def _guard_stream(fn, method: str):
+    if not inspect.isasyncgenfunction(fn):  # a coroutine that calls context.write(), as grpc_health's Watch does
+        return _guard_unary(fn, method)
+
     async def guarded(request, context):
         try:
+            _check_decoded(request)
             async for item in fn(request, context):
                 yield item
         except Exception as exc:
@@ -116,17 +232,27 @@ class ServiceSpec:
     full_name: str  # e.g. "radixserve.v1.Router", for health and reflection
 
 
+def make_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
+                max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> grpc.aio.Server:
+    """A grpc.aio server with the `StatusInterceptor`, refusing larger messages and more RPCs in flight."""
+    if max_message_bytes < 1 or max_concurrent_rpcs < 1:
+        raise ValueError("max_message_bytes and max_concurrent_rpcs must be positive")
+    return grpc.aio.server(interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
+                           options=[("grpc.max_receive_message_length", max_message_bytes),
+                                    ("grpc.max_send_message_length", max_message_bytes)])
+
+
 async def serve(name: str, host: str, port: int, metrics_port: int, services: Iterable[ServiceSpec],
-                grace_s: float = 10.0, components: Mapping[str, Callable[[], bool]] | None = None) -> None:
+                grace_s: float = 10.0, components: Mapping[str, Callable[[], bool]] | None = None,
+                max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> None:
     """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`.
 
     Health and reflection are always served. `components` are extra health names (e.g. a cache tier) whose status
     follows their check, polled every `COMPONENT_POLL_S`. `metrics_port` 0 turns the Prometheus endpoint off.
+    `max_message_bytes` and `max_concurrent_rpcs` bound the server (`make_server`).
     """
     services = list(services)
-    server = grpc.aio.server(interceptors=[StatusInterceptor()],
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = make_server(max_message_bytes, max_concurrent_rpcs)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for spec in services:

@@ -1,11 +1,17 @@
-"""Checks a GenerateRequest and resolves its defaults. Every failure is INVALID_ARGUMENT naming the field.
+"""Checks a GenerateRequest and resolves its defaults. Every failure is INVALID_ARGUMENT naming the field and the
+limit; a value echoed in a message is cut to `ECHO_CHARS`.
 
-Order matters for cost: cheap structural checks and the character limit come before tokenization.
+Order matters for cost: every limit is checked before the work it bounds. `prompt_ids` checks the identifiers,
+the number of token ids (before they are copied or walked), of messages and of characters (before the chat template
+and the tokenizer); `resolve_sampling` needs the prompt's length, so it runs after. Invalid UTF-8 never gets here:
+protobuf refuses it when the request is parsed, and the server answers INVALID_ARGUMENT
+(`radixserve.server.StatusInterceptor`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.server import invalid
@@ -15,6 +21,11 @@ from router.tokenizer import CHAT_ROLES, PromptTokenizer
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_NEW_TOKENS = 128
+# Below this a temperature is greedy (resolved to 0): dividing logits by it overflows float32 to inf, and softmax to
+# NaN. The worker's sampler and vLLM use the same threshold; clients send 1e-9 and the like to mean "deterministic".
+GREEDY_BELOW = 1e-5
+MAX_ID_CHARS = 256  # cache_salt and request_id: identifiers (a tenant, a trace id), logged and kept per request
+ECHO_CHARS = 40  # of a refused value quoted back in the message
 
 
 @dataclass(frozen=True)
@@ -24,25 +35,39 @@ class Limits:
     max_new_tokens: int
     max_input_chars: int
     max_stop_strings: int
+    max_stop_chars: int = 512  # RouterConfig's defaults
+    max_messages: int = 1024
 
 
 def prompt_ids(request: router_pb2.GenerateRequest | router_pb2.TokenizeRequest, tokenizer: PromptTokenizer,
                limits: Limits) -> list[int]:
-    """The prompt's token ids from exactly one of text, messages, token_ids."""
-    token_ids = list(getattr(request, "token_ids", ()))
+    """The prompt's token ids from exactly one of text, messages, token_ids, after the request's identifiers and
+    every input limit have been checked."""
+    n_ids = len(getattr(request, "token_ids", ()))
     given = [name for name, present in (("text", request.HasField("text")), ("messages", bool(request.messages)),
-                                        ("token_ids", bool(token_ids))) if present]
+                                        ("token_ids", n_ids > 0)) if present]
     if len(given) != 1:
         allowed = "text, messages, token_ids" if hasattr(request, "token_ids") else "text, messages"
         raise invalid(f"exactly one of {allowed} must be set; got {', '.join(given) or 'none'}")
+    if isinstance(request, router_pb2.GenerateRequest):
+        _check_ids(request)
     if given == ["token_ids"]:
-        return _checked_token_ids(token_ids, limits.vocab_size)
+        if n_ids > limits.max_context:
+            raise invalid(f"token_ids has {n_ids} ids; the limit is the model context of {limits.max_context}")
+        return _checked_token_ids(list(request.token_ids), limits.vocab_size)
     if given == ["text"]:
         _check_chars("text", len(request.text), limits)
         if not request.text:
             raise invalid("text must not be empty")
         return tokenizer.encode_text(request.text)
     return tokenizer.encode_chat(_checked_messages(request.messages, limits))
+
+
+def _check_ids(request: router_pb2.GenerateRequest) -> None:
+    for field in ("cache_salt", "request_id"):
+        n = len(getattr(request, field))
+        if n > MAX_ID_CHARS:
+            raise invalid(f"{field} is {n} characters; the limit is {MAX_ID_CHARS}")
 
 
 def _check_chars(field: str, n: int, limits: Limits) -> None:
@@ -58,16 +83,23 @@ def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
 
 
 def _checked_messages(messages, limits: Limits) -> list[tuple[str, str]]:
+    if len(messages) > limits.max_messages:
+        raise invalid(f"messages has {len(messages)} messages; the limit is {limits.max_messages}")
     _check_chars("messages", sum(len(m.content) for m in messages), limits)
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}")
+            raise invalid(f"messages[{i}].role {_echo(m.role)} is not one of {', '.join(sorted(CHAT_ROLES))}")
     return [(m.role, m.content) for m in messages]
+
+
+def _echo(value: str) -> str:
+    return repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
 
 
 def resolve_sampling(sampling: router_pb2.SamplingParams, prompt_len: int, limits: Limits
                      ) -> worker_pb2.ResolvedSampling:
-    """Fills unset fields with the documented defaults and checks every value against the limits."""
+    """Fills unset fields with the documented defaults and checks every value against the limits; a temperature
+    below `GREEDY_BELOW` resolves to 0 (greedy)."""
     temperature = sampling.temperature if sampling.HasField("temperature") else DEFAULT_TEMPERATURE
     top_p = sampling.top_p if sampling.HasField("top_p") else DEFAULT_TOP_P
     max_new = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
@@ -80,14 +112,18 @@ def resolve_sampling(sampling: router_pb2.SamplingParams, prompt_len: int, limit
     if prompt_len + max_new > limits.max_context:
         raise invalid(f"prompt ({prompt_len} tokens) + sampling.max_new_tokens ({max_new}) exceeds the model "
                       f"context of {limits.max_context} tokens")
-    _check_stop(list(sampling.stop), limits)
+    _check_stop(sampling.stop, limits)
     return worker_pb2.ResolvedSampling(
-        temperature=temperature, top_p=top_p, top_k=sampling.top_k, max_new_tokens=max_new, stop=sampling.stop,
-        seed=sampling.seed if sampling.HasField("seed") else None, ignore_eos=sampling.ignore_eos)
+        temperature=temperature if temperature >= GREEDY_BELOW else 0.0, top_p=top_p, top_k=sampling.top_k,
+        max_new_tokens=max_new, stop=sampling.stop, seed=sampling.seed if sampling.HasField("seed") else None,
+        ignore_eos=sampling.ignore_eos)
 
 
-def _check_stop(stop: list[str], limits: Limits) -> None:
+def _check_stop(stop: Sequence[str], limits: Limits) -> None:
     if len(stop) > limits.max_stop_strings:
         raise invalid(f"sampling.stop has {len(stop)} strings; the limit is {limits.max_stop_strings}")
-    if any(not s for s in stop):
-        raise invalid("sampling.stop strings must not be empty")
+    for i, s in enumerate(stop):
+        if not s:
+            raise invalid("sampling.stop strings must not be empty")
+        if len(s) > limits.max_stop_chars:
+            raise invalid(f"sampling.stop[{i}] is {len(s)} characters; the limit is {limits.max_stop_chars}")
