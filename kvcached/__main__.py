@@ -16,7 +16,7 @@ from kvcached.service import KVCacheServicer
 from kvcached.tiers.dram_shm import cleanup_stale_segments
 from kvcached.tiers.lmdb_tier import DiskTier, DiskTierError
 from radixserve.config import parse_config
-from radixserve.server import ServiceSpec, serve, setup_logging
+from radixserve.server import ServiceSpec, die_with_launcher, serve, setup_logging
 from radixserve.v1 import kvcache_pb2_grpc
 
 log = logging.getLogger("kvcached")
@@ -32,13 +32,17 @@ async def housekeeping(cache: KVCache, servicer: KVCacheServicer) -> None:
     checked_at = 0.0
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL_S)
-        metrics.expired.inc(cache.expire())
-        if cache.l3 is not None:
-            cache.l3.refresh()  # applies L3 evictions and corrupt-block deletions to the index
-        idle_since = servicer.last_rpc_at
-        if time.monotonic() - idle_since > IDLE_CHECK_S and checked_at < idle_since:
-            checked_at = time.monotonic()
-            check_idle(cache)
+        try:
+            metrics.expired.inc(cache.expire())
+            if cache.l3 is not None:
+                cache.l3.refresh()  # applies L3 evictions and corrupt-block deletions to the index
+            idle_since = servicer.last_rpc_at
+            if time.monotonic() - idle_since > IDLE_CHECK_S and checked_at < idle_since:
+                checked_at = time.monotonic()
+                check_idle(cache)
+        except Exception:  # one bad round must not end expiry for good: leases would pin L2 forever
+            log.exception("housekeeping failed; trying again next round")
+            metrics.background_errors.labels(task="housekeeping").inc()
 
 
 def check_idle(cache: KVCache) -> None:
@@ -98,6 +102,7 @@ async def run(config: KVCachedConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(KVCachedConfig, argv)
+    die_with_launcher()
     setup_logging(config.log_level)
     asyncio.run(run(config))
 

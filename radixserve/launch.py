@@ -2,12 +2,23 @@
 them too.
 
 Each service is its own process, started from its CLI exactly as an operator would. `Stack` waits for each to report
-SERVING over gRPC health checking before starting the next, and stops them in reverse order with SIGTERM.
-`LocalServices` adds free loopback ports, a log file per service and restarts, sized for one small machine.
+SERVING over gRPC health checking before starting the next, and stops them in reverse order with SIGTERM. Every
+child dies with the thread that started it, even when the launcher is SIGKILLed: it gets SIGTERM from the kernel
+(Linux's PR_SET_PDEATHSIG, which the child asks for itself at start: `radixserve.server.die_with_launcher`) and
+drains as on any SIGTERM. `LocalServices` adds free loopback ports, a log file per
+service and restarts, sized for one small machine.
+
+`python -m radixserve.launch` (`make run`) runs kvcached, a worker and the router until the first SIGINT or SIGTERM,
+then stops them in reverse start order, each with SIGTERM and SIGKILL past `STOP_GRACE_S`; it ignores every later
+signal, so a supervisor or `docker stop` that signals the whole process group twice cannot cut the shutdown short.
+The children run in their own process groups, so those signals reach the launcher only. Its flags
+(`LaunchConfig`) move the three gRPC ports and turn the services' metrics endpoints off, so that a second stack (a
+test) can run beside the first.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -20,6 +31,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixserve.blocks.slab import segment_pid
+from radixserve.config import parse_config, setting
+from radixserve.server import LAUNCHER_PID_ENV
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,8 +80,15 @@ class Stack:
     processes: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, module: str, port: int, args: list[str], timeout_s: float = 300, **popen) -> subprocess.Popen:
-        """`python -m module --port port *args`, once it serves; `popen` goes to `subprocess.Popen`."""
-        process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], **popen)
+        """`python -m module --port port *args`, once it serves; `popen` goes to `subprocess.Popen`. The process
+        gets SIGTERM when the calling thread exits (see `die_with_launcher`): call this from a thread that outlives
+        the service, the main thread in the launcher and in test fixtures. Tests want that too: a pytest run that
+        is killed leaves no services on ports or pools in /dev/shm.
+
+        NOTE: not a `preexec_fn`: that forces a plain fork of a process whose gRPC threads and fork handlers then
+        run in the child before exec; seen here to abort the child (epoll_wait: Bad file descriptor)."""
+        env = {**popen.pop("env", os.environ), LAUNCHER_PID_ENV: str(os.getpid())}
+        process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], env=env, **popen)
         self.processes.append(process)
         wait_healthy(f"127.0.0.1:{port}", process, timeout_s)
         return process
@@ -87,6 +107,7 @@ class Stack:
         return process.returncode
 
     def stop(self, timeout_s: float = 30) -> None:
+        """Stops every process, last started first, each with SIGTERM and SIGKILL past `timeout_s`."""
         for process in reversed(list(self.processes)):
             self.stop_process(process, timeout_s=timeout_s)
 
@@ -182,25 +203,73 @@ Ctrl-C stops everything.
 """
 
 
-def main() -> None:
-    """`make run`: kvcached, a worker and the router on their default ports, until Ctrl-C."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with Stack() as stack:
-        # Children ignore the terminal's SIGINT; the Stack stops them in reverse order with SIGTERM instead.
-        print("starting kvcached on 127.0.0.1:50052", flush=True)
-        stack.start("kvcached", 50052, [], process_group=0)
-        print("starting the model worker on 127.0.0.1:50053 (loading the model)", flush=True)
-        stack.start("model_worker", 50053, ["--kvcached", "127.0.0.1:50052"], process_group=0)
-        print("starting the router on 127.0.0.1:50051", flush=True)
-        stack.start("router", 50051, ["--worker", "127.0.0.1:50053", "--kvcached", "127.0.0.1:50052"],
-                    process_group=0)
-        print(EXAMPLE.format(router=50051, kvcached=50052, worker=50053), flush=True)
-        try:
-            while all(p.poll() is None for p in stack.processes):
-                time.sleep(0.5)
-            print("a service exited; stopping the others", file=sys.stderr)
-        except KeyboardInterrupt:
-            print("\nstopping", file=sys.stderr)
+@dataclass(frozen=True)
+class LaunchConfig:
+    """radixserve launcher (`make run`): kvcached, one model worker and the router on loopback, until SIGINT or
+    SIGTERM."""
+
+    router_port: int = setting(50051, "the router's gRPC port: the public API")
+    kvcached_port: int = setting(50052, "kvcached's gRPC port")
+    worker_port: int = setting(50053, "the model worker's gRPC port")
+    metrics: bool = setting(True, "each service's Prometheus endpoint on its default port (9101-9103); "
+                                  "--no-metrics turns them off, e.g. beside another stack")
+
+
+# Idle services stop in well under a second. This cuts a long drain short (the worker's and the router's grace is
+# 10 s), so that the stack is gone within about 15 s whatever runs; a supervisor that SIGKILLs the launcher sooner
+# (docker stop waits 10 s) leaves no orphans either: the children get SIGTERM from the kernel.
+STOP_GRACE_S = 5.0
+
+
+class _Shutdown(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM; a BaseException so that no handler swallows it."""
+
+
+def _shutdown_on_signal(signum: int, frame: object) -> None:
+    _ignore_signals()
+    raise _Shutdown
+
+
+def _ignore_signals() -> None:
+    """From here on nothing interrupts the shutdown: later signals are dropped."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _start_all(stack: Stack, config: LaunchConfig) -> None:
+    """kvcached, then the worker, then the router, each once it serves. Children run in their own process groups
+    (process_group=0), so a terminal's Ctrl-C or a signal to the launcher's group reaches only the launcher."""
+    kvcached, worker = f"127.0.0.1:{config.kvcached_port}", f"127.0.0.1:{config.worker_port}"
+    common = [] if config.metrics else ["--metrics-port", "0"]
+    print(f"starting kvcached on {kvcached}", flush=True)
+    stack.start("kvcached", config.kvcached_port, common, process_group=0)
+    print(f"starting the model worker on {worker} (loading the model)", flush=True)
+    stack.start("model_worker", config.worker_port, [*common, "--kvcached", kvcached], process_group=0)
+    print(f"starting the router on 127.0.0.1:{config.router_port}", flush=True)
+    stack.start("router", config.router_port, [*common, "--worker", worker, "--kvcached", kvcached],
+                process_group=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`make run`: the stack until the first SIGINT or SIGTERM, which may come while it starts; exits 1 when a
+    service exited by itself."""
+    config = parse_config(LaunchConfig, argv)
+    stack = Stack()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _shutdown_on_signal)
+    try:
+        _start_all(stack, config)
+        print(EXAMPLE.format(router=config.router_port, kvcached=config.kvcached_port, worker=config.worker_port),
+              flush=True)
+        while all(p.poll() is None for p in stack.processes):
+            time.sleep(0.5)
+        print("a service exited; stopping the others", file=sys.stderr)
+        raise SystemExit(1)
+    except _Shutdown:
+        print("\nstopping", file=sys.stderr)
+    finally:
+        _ignore_signals()
+        stack.stop(STOP_GRACE_S)
 
 
 if __name__ == "__main__":
