@@ -20,6 +20,8 @@ rpc_latency = Histogram("radixserve_kvcached_rpc_seconds", "RPC handling time", 
 prefetches = Counter("radixserve_kvcached_prefetches_total", "L3 -> L2 prefetches started")
 prefetched_blocks = Counter("radixserve_kvcached_prefetched_blocks_total", "Blocks loaded from L3 into L2")
 prefetch_failures = Counter("radixserve_kvcached_prefetch_failures_total", "Prefetches ended early", ["reason"])
+background_errors = Counter("radixserve_kvcached_background_errors_total", "Background task rounds that failed",
+                            ["task"])
 
 
 class CacheCollector:

@@ -84,6 +84,9 @@ class Prefetcher:
                 loaded = await self._read(prefetch, batch, stuck)
                 if not all(self._cache.prefetched(prefetch) for _ in range(loaded)) or loaded < len(batch):
                     break
+        except Exception:  # a task's exception would otherwise vanish with it; the prefetch ends here
+            log.exception("prefetch failed; ending it", extra={"prefetch_id": prefetch.prefetch_id})
+            metrics.prefetch_failures.labels(reason="error").inc()
         finally:
             metrics.prefetched_blocks.inc(prefetch.ready)
             self._cache.end_prefetch(prefetch, keep=stuck)

@@ -27,6 +27,10 @@ class EngineConfig:
                                  "per-page overhead")
     max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
     chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
+    max_waiting_requests: int = setting(64, "most requests queued for admission; past it a request is refused at "
+                                            "once with RESOURCE_EXHAUSTED (a retry delay in its details)")
+    max_waiting_tokens: int = setting(32_768, "most prompt tokens queued for admission (~1.5 min of prefill here); "
+                                              "past it, refused as above")
     num_pages: int = setting(0, "L1 KV pool pages; 0 = as many as --l1-cache-size-gb holds")
     l1_cache_size_gb: float = setting(1.0, "L1 KV pool size in GiB when --num-pages is 0 (SmolLM2-135M: ~23k "
                                            "tokens in float32, ~45k in bfloat16)")
@@ -35,7 +39,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType(self.dtype))
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "kvcached_timeout_ms"):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "kvcached_timeout_ms",
+                     "max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0 or (self.num_pages == 0 and self.l1_cache_size_gb <= 0):

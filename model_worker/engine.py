@@ -9,6 +9,11 @@ Threading contract:
   last. Callbacks must be cheap and must not block (e.g. `queue.put_nowait` / `loop.call_soon_threadsafe`).
 - `abort` frees the request's pages at once. A forward already in flight may still write to those pages; nothing
   can reuse them before that forward ends, because allocation happens only in `schedule`, under the lock.
+
+Faults stay with the request that caused them: a batched forward that raises is run again one request at a time,
+and a request whose own forward or sampling fails ends alone with finish_reason "error" (its `error` says why).
+The queue is bounded (`max_waiting_requests`, `max_waiting_tokens`): past it `add_request` raises `Overloaded`. If
+the step loop itself dies, `start`'s `on_death` runs, so the process can stop serving and exit.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ from model_worker.loader import weights_digest
 from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
 from model_worker.prefix_cache import CacheRequest, CacheState, PrefixCache
 from model_worker.request import RequestOutput, SamplingParams
-from model_worker.sampler import SamplingRow, make_generator, sample
+from model_worker.sampler import SAMPLING_EPS, SamplingRow, make_generator, sample
 from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
 from radixserve.blocks.geometry import BlockGeometry
 
 log = logging.getLogger("model_worker.engine")
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full; the message says which bound."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.dead = False  # the step loop died (see `start`)
         log.info("engine ready", extra={"model": self.info.name, "dtype": self.info.dtype, "pages": num_pages,
                                         "page_size": config.page_size})
 
@@ -134,10 +144,11 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     on_output: Callable[[RequestOutput], None], cache: CacheRequest = CacheRequest()) -> None:
-        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id).
+        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id), and
+        `Overloaded` when the queue is full.
 
         `cache` says whether its prefix may be reused and cached, and carries its kvcached lease, which the
-        engine releases in every case (used, unusable, or the request aborted before it ran).
+        engine releases in every case (used, unusable, refused, or the request aborted before it ran).
         """
         state = CacheState(cache)
         with self._cond:
@@ -145,7 +156,8 @@ class Engine:
                 seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, state)
                 if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
                     raise ValueError(f"request id {request_id!r} is already running")
-            except ValueError:
+                self._check_room(seq)
+            except (ValueError, Overloaded):
                 self.prefix.discard(state)
                 raise
             self.scheduler.add(seq)
@@ -164,7 +176,7 @@ class Engine:
             request_id=request_id, token_ids=prompt, prompt_len=len(prompt),
             max_tokens=min(len(prompt) + sampling.max_new_tokens, max_context), sampling=sampling,
             on_output=on_output,
-            generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None,
+            generator=make_generator(sampling.seed, self.device) if sampling.temperature >= SAMPLING_EPS else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
             cache=cache,
         )
@@ -172,6 +184,15 @@ class Engine:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} needs "
                              f"{pages_needed(seq, self.pool.page_size)} KV pages; the pool has {self.pool.num_pages}")
         return seq
+
+    def _check_room(self, seq: Sequence) -> None:
+        waiting = self.scheduler.waiting
+        if len(waiting) >= self.config.max_waiting_requests:
+            raise Overloaded(f"{len(waiting)} requests are waiting (--max-waiting-requests)")
+        tokens = sum(s.prompt_len for s in waiting)
+        if waiting and tokens + seq.prompt_len > self.config.max_waiting_tokens:
+            raise Overloaded(f"{tokens} prompt tokens are waiting; {seq.prompt_len} more would pass "
+                             f"--max-waiting-tokens {self.config.max_waiting_tokens}")
 
     def discard(self, cache: CacheRequest) -> None:
         """Releases the kvcached lease of a request that will never be added."""
@@ -208,10 +229,36 @@ class Engine:
             if not chunks:
                 return False
             inputs = self._prepare_inputs(chunks)
-        logits = self.model(*inputs)
+        try:
+            logits = self.model(*inputs)
+        except Exception:
+            if len(chunks) == 1:
+                raise
+            log.exception("batched forward failed; running its requests one at a time",
+                          extra={"requests": [c.seq.request_id for c in chunks]})
+            for chunk in chunks:
+                self._step_alone(chunk)
+            return True
         with self._cond:
             self._process(chunks, logits)
         return True
+
+    def _step_alone(self, chunk: ScheduledChunk) -> None:
+        """Runs one request's chunk by itself (its pages are allocated); a failure ends that request alone."""
+        with self._cond:
+            if chunk.seq.finished:
+                return
+            inputs = self._prepare_inputs([chunk])
+        try:
+            logits = self.model(*inputs)
+        except Exception as e:
+            log.exception("forward failed for one request", extra={"request_id": chunk.seq.request_id})
+            with self._cond:
+                if not chunk.seq.finished:
+                    self._fail(chunk.seq, f"the forward pass failed: {type(e).__name__}")
+            return
+        with self._cond:
+            self._process([chunk], logits)
 
     def _prepare_inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ...]:
         now = time.perf_counter()
@@ -245,8 +292,18 @@ class Engine:
                 if chunk.start < seq.prompt_len <= seq.num_computed:  # prefill done: cache the prompt's pages
                     self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
         for chunk, token in zip(sampling_chunks, tokens):
-            if not chunk.seq.finished:
+            if chunk.seq.finished:
+                continue
+            if token is None:
+                self._fail(chunk.seq, "sampling failed: the logits are not finite")
+            else:
                 self._append_token(chunk.seq, token)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """Ends `seq` alone: its pages are freed and its last output says why (finish_reason "error")."""
+        log.error("request failed", extra={"request_id": seq.request_id, "error": error})
+        self.scheduler.finish(seq)
+        self._emit(seq, [], "", "error", error)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
@@ -266,9 +323,9 @@ class Engine:
     def _is_eos(self, seq: Sequence, token: int) -> bool:
         return token in self._eos and not seq.sampling.ignore_eos
 
-    def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None, error: str | None = None) -> None:
         timed = finish is not None or seq.num_output == 1
-        output = RequestOutput(seq.request_id, tuple(tokens), text, finish)
+        output = RequestOutput(seq.request_id, tuple(tokens), text, finish, error=error)
         if timed:
             started = seq.scheduled_at or time.perf_counter()
             output = dataclasses.replace(
@@ -281,12 +338,12 @@ class Engine:
             log.exception("on_output failed", extra={"request_id": seq.request_id})
 
     # -- background loop ---------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Runs the step loop on a daemon thread until `stop()`."""
+    def start(self, on_death: Callable[[], None] = lambda: None) -> None:
+        """Runs the step loop on a daemon thread until `stop()`; `on_death` runs on that thread if the loop dies."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(on_death,), name="engine-loop", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -300,7 +357,15 @@ class Engine:
         if self.kvcache is not None:
             self.kvcache.close()
 
-    def _loop(self) -> None:
+    def _loop(self, on_death: Callable[[], None]) -> None:
+        try:
+            self._run_loop()
+        except BaseException:
+            log.critical("the engine loop died; no request can run", exc_info=True)
+            self.dead = True
+            on_death()
+
+    def _run_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self.scheduler.has_work():

@@ -1,7 +1,10 @@
 """The worker's link to kvcached: registration, the attached L2 segment, lease releases and block commits.
 
 Every RPC runs on the client's own thread, never on the engine loop or the gRPC event loop, with a deadline, so a
-slow or dead kvcached costs the worker nothing but reuse. Failures are logged, counted
+slow or dead kvcached costs the worker nothing but reuse. The job queue is bounded (`MAX_QUEUED_JOBS`): past it a
+commit is dropped at once (its L1 pages unlocked, counted in `radixserve_worker_kvcached_dropped_jobs_total`) and a
+release is left to the lease's TTL, so a frozen kvcached never holds L1 pages hostage. No exception ends the thread:
+any job's failure is logged and counted. Failures are logged, counted
 (`radixserve_worker_kvcached_errors_total`) and end that one job. A NOT_FOUND or an unknown pool (kvcached
 restarted) drops the registration; the next job registers again, and an idle client re-registers every
 `HEARTBEAT_S` (idempotent), so a restarted kvcached knows the namespace, and serves its disk tier, within a second.
@@ -41,6 +44,7 @@ log = logging.getLogger("model_worker.kvcache_client")
 
 REGISTER_BACKOFF_S = 2.0  # after a failed registration, jobs skip kvcached this long instead of piling up calls
 HEARTBEAT_S = 1.0  # an idle client re-registers this often: a restarted kvcached learns the namespace within it
+MAX_QUEUED_JOBS = 256  # a frozen kvcached costs each commit its deadline: this bounds what waits meanwhile
 MAX_COMMIT_SLOTS = 256  # slots per AllocateSlots: 4,096 tokens at page size 16, well under kvcached's default cap
 # kvcached restarted or went away: forget its segment; the next registration attaches the new one.
 _RETIRE_ON = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
@@ -82,7 +86,7 @@ class KVCacheClient:
         self._retry_at = 0.0
         self._register_queued = False  # one queued registration is enough, however many stale leases ask
         self._reachable = True  # False after a failure until a registration succeeds
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue(MAX_QUEUED_JOBS)
         self._thread = threading.Thread(target=self._run, name="kvcache-client", daemon=True)
         self._thread.start()
         self._register_soon()  # attach early: the first request may already hit L2
@@ -106,10 +110,10 @@ class KVCacheClient:
         return None
 
     def release(self, lease_id: str) -> None:
-        self._jobs.put(("release", functools.partial(self._release, lease_id), None))
+        self._enqueue(("release", functools.partial(self._release, lease_id), None))
 
     def commit(self, job: CommitJob) -> None:
-        self._jobs.put(("commit", functools.partial(self._commit, job), job.on_done))
+        self._enqueue(("commit", functools.partial(self._commit, job), job.on_done))
 
     def close(self) -> None:
         """Sends what is queued, stops the thread and unmaps the segment (the engine must be stopped first)."""
@@ -121,7 +125,18 @@ class KVCacheClient:
     def _register_soon(self) -> None:
         if not self._register_queued:
             self._register_queued = True
-            self._jobs.put(("register", self.register, None))
+            self._enqueue(("register", self.register, None))
+
+    def _enqueue(self, job: tuple) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            op, _, on_done = job
+            metrics.kvcached_dropped_jobs.labels(op=op).inc()
+            if op == "register":
+                self._register_queued = False
+            if on_done is not None:
+                on_done()
 
     def register(self) -> bool:
         """Registers the namespace and attaches its segment; False (and logged) when kvcached is unreachable."""
@@ -184,6 +199,9 @@ class KVCacheClient:
                 run()
             except grpc.RpcError as e:
                 self._failed(op, e)
+            except Exception:  # the thread must outlive any job: a dead one would leave commits locked forever
+                log.exception("kvcached job failed", extra={"op": op})
+                metrics.kvcached_errors.labels(op=op).inc()
             finally:
                 if on_done is not None:
                     on_done()

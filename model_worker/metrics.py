@@ -12,6 +12,8 @@ if TYPE_CHECKING:  # the engine imports the kvcache client, which counts here
     from model_worker.engine import Engine
 
 kvcached_errors = Counter("radixserve_worker_kvcached_errors_total", "kvcached calls that failed", ["op"])
+kvcached_dropped_jobs = Counter("radixserve_worker_kvcached_dropped_jobs_total",
+                                "kvcached jobs dropped because the queue to a slow kvcached was full", ["op"])
 committed_blocks = Counter("radixserve_worker_committed_blocks_total", "Blocks committed to kvcached")
 l2_pages_rejected = Counter("radixserve_worker_l2_pages_rejected_total", "Leased L2 pages not used, recomputed instead",
                             ["reason"])  # expired, segment, out_of_range, generation, key

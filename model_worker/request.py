@@ -18,8 +18,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN, which compares false with everything
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -35,8 +35,9 @@ class RequestOutput:
     request_id: str
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error" (then `error` says why)
     queue_ms: float | None = None
     prefill_ms: float | None = None
     cached_tokens_l1: int | None = None  # prompt tokens reused from the worker's own pool
     cached_tokens_l2: int | None = None  # prompt tokens copied out of kvcached's shared memory
+    error: str | None = None  # with finish_reason "error": what failed for this request alone

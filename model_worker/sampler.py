@@ -1,7 +1,9 @@
 """Token sampling: greedy at temperature 0, else temperature, top-k, top-p with a per-request generator.
 
 Every row is sampled on its own from its own `torch.Generator`, so a seeded request draws the same tokens whatever
-else shares its batch. Greedy rows (the common case) are one batched argmax.
+else shares its batch. Greedy rows (the common case) are one batched argmax. A temperature below `SAMPLING_EPS` is
+greedy: dividing by it would overflow float32 to inf and softmax to NaN. A row that cannot be sampled (logits not
+finite) fails alone: its token is None, and the rows beside it are unaffected.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import secrets
 from dataclasses import dataclass
 
 import torch
+
+SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy (vLLM uses the same threshold)
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,10 @@ class SamplingRow:
     top_p: float
     generator: torch.Generator | None  # None only for greedy rows
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from `seed`, or from fresh OS randomness when `seed` is None."""
@@ -29,11 +37,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """One token id per row of `logits` [len(rows), vocab] (float32)."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None]:
+    """One token id per row of `logits` [len(rows), vocab] (float32); None for a row whose logits are not finite."""
+    tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     for i, row in enumerate(rows):
-        if row.temperature > 0:
+        if not finite[i]:
+            tokens[i] = None
+        elif not row.greedy:
             tokens[i] = sample_row(logits[i], row)
     return tokens
 

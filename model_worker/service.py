@@ -7,13 +7,15 @@ import logging
 
 import grpc
 
-from model_worker.engine import Engine
+from model_worker.engine import Engine, Overloaded
 from model_worker.prefix_cache import CacheRequest, L2Lease
 from model_worker.request import RequestOutput, SamplingParams
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("model_worker.service")
+
+OVERLOAD_RETRY_S = 1.0  # about one long prefill here: the queue has moved by then
 
 
 def sampling_from_pb(s: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -51,13 +53,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling = self._sampling(request, cache)
             self._engine.add_request(request.request_id, list(request.prompt_ids), sampling,
                                      lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), cache)
-        except ValueError as e:  # add_request released the lease of what it rejected
+        except ValueError as e:  # add_request released the lease of what it refused
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Overloaded as e:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker overloaded: {e}",
+                               retry_after_s=OVERLOAD_RETRY_S) from None
         finished = False
         try:
             while not finished:
                 out = await outputs.get()
                 finished = out.finish_reason is not None
+                if out.finish_reason == "error":
+                    raise ServiceError(grpc.StatusCode.INTERNAL, f"request {request.request_id} failed: {out.error}")
                 yield output_to_pb(out)
         finally:
             if not finished:

@@ -30,9 +30,17 @@ class RouterConfig:
     disable_radix_cache: bool = setting(False, "never reuse or cache prefixes, in kvcached or worker L1 (A/B runs)")
     cache_aware_load_slack: int = setting(2, "a worker likely holding the prompt's prefix wins while it has at most "
                                              "this many more requests in flight than the least loaded")
+    max_pending_requests: int = setting(256, "most requests waiting for their first token; past it a request is "
+                                             "refused at once with RESOURCE_EXHAUSTED and a retry delay")
+    max_pending_tokens: int = setting(262_144, "most prompt tokens of requests waiting for their first token; "
+                                               "past it, refused as above")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
     max_stop_strings: int = setting(16, "most stop strings per request; each is checked on every decoded token")
+    max_stop_chars: int = setting(512, "longest stop string; the worker's stop filter tries every suffix up to "
+                                       "this long against every string on each decoded token")
+    max_messages: int = setting(1024, "most chat messages per request, checked before the chat template runs "
+                                      "(a turn costs a few tokens even when empty)")
     worker_wait_s: float = setting(300.0, "how long start-up waits for the workers to come up (model loading)")
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
 
@@ -45,5 +53,9 @@ class RouterConfig:
             raise ValueError("--kvcached-timeout-ms and --lease-ttl-ms must be positive")
         if self.cache_aware_load_slack < 0:
             raise ValueError("--cache-aware-load-slack must not be negative")
+        if self.max_pending_requests < 1 or self.max_pending_tokens < 1:
+            raise ValueError("--max-pending-requests and --max-pending-tokens must be positive")
         if self.max_new_tokens_limit < 1 or self.max_input_chars < 1:
             raise ValueError("--max-new-tokens-limit and --max-input-chars must be positive")
+        if self.max_stop_chars < 1 or self.max_messages < 1:
+            raise ValueError("--max-stop-chars and --max-messages must be positive")

@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
-from radixserve.server import ServiceError
+from radixserve.server import ServiceError, retry_after_s
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics
+from router.admission import Admission, Overloaded, Ticket
 from router.prefix import PrefixMatcher, Reuse
-from router.routing import WorkerPool
+from router.routing import NoWorker, WorkerHandle, WorkerPool
 from router.tokenizer import PromptTokenizer
 from router.validation import Limits, prompt_ids, resolve_sampling
 
@@ -24,13 +25,17 @@ log = logging.getLogger("router.service")
 
 # Worker failures the client sees as they are; anything else is the worker being unreachable.
 _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL}
+RETRIES = 1  # a request whose worker is lost before its first token runs once more, elsewhere
+OVERLOAD_RETRY_S = 1.0  # the retry delay an overloaded router suggests: about one long prefill here
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits, matcher: PrefixMatcher | None):
+    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits, matcher: PrefixMatcher | None,
+                 admission: Admission):
         """`matcher` None: radix cache disabled; workers neither reuse nor cache pages."""
         self._pool = pool
+        self._admission = admission
         self._matcher = matcher
         self._tokenizer = tokenizer
         self._limits = limits
@@ -42,27 +47,70 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         started = time.monotonic()
         ids = await self._prompt_ids(request)
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
-        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            ticket = self._admission.admit(len(ids))
+        except Overloaded as e:
+            metrics.requests.labels(outcome="overloaded").inc()
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router overloaded: {e}",
+                               retry_after_s=OVERLOAD_RETRY_S) from None
         metrics.prompt_tokens.inc(len(ids))
-        with self._pool.pick(self._block_keys(ids, request.cache_salt)) as worker:
-            # Matched in the chosen worker's namespace: the worker copies the lease, and verifies it against its own.
-            reuse = (await self._matcher.reuse(worker.info.model.fingerprint, ids, request.cache_salt,
-                                               context.time_remaining()) if self._matcher else Reuse(None))
-            forward = worker_pb2.WorkerGenerateRequest(
-                request_id=request_id, prompt_ids=ids, sampling=sampling, cache_salt=request.cache_salt,
-                disable_cache=self._matcher is None, l2_lease=reuse.lease)
-            run = _Run(request_id, len(ids), started, reuse, worker.info.model.page_size)
-            call = worker.stub.Generate(forward, timeout=context.time_remaining())
-            try:
-                async for out in _worker_outputs(call, worker.address):
-                    response = run.add(out)
-                    if request.stream or out.finish_reason:
-                        yield run.flush(response)
-            finally:
-                call.cancel()
-                run.close()
-                if run.outputs == 0 and reuse.lease is not None:  # the worker may never have seen the lease
-                    self._matcher.release_soon(reuse.lease.lease_id)
+        forward = worker_pb2.WorkerGenerateRequest(
+            request_id=request.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=sampling,
+            cache_salt=request.cache_salt, disable_cache=self._matcher is None)
+        keys = self._block_keys(ids, request.cache_salt)
+        lost: list[WorkerHandle] = []
+        try:
+            while True:
+                try:
+                    async for response in self._attempt(forward, keys, lost, started, ticket, request.stream, context):
+                        yield response
+                    return
+                except _WorkerLost as e:
+                    lost.append(e.worker)
+                    if e.answered or len(lost) > RETRIES:
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model worker {e.worker.address} is "
+                                                                        "unavailable") from None
+                    log.warning("worker lost before the first token; retrying on another",
+                                extra={"worker": e.worker.address, "request_id": forward.request_id})
+        finally:
+            ticket.done()
+
+    async def _attempt(self, forward: worker_pb2.WorkerGenerateRequest, keys: list[BlockHash],
+                       lost: list[WorkerHandle], started: float, ticket: Ticket, stream: bool, context
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One try on a healthy worker not in `lost`; raises `_WorkerLost` if that worker turns out unreachable."""
+        try:
+            with self._pool.pick(keys, exclude=lost) as worker:
+                async for response in self._run_on(worker, forward, started, ticket, stream, context):
+                    yield response
+        except NoWorker as e:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    async def _run_on(self, worker: WorkerHandle, forward: worker_pb2.WorkerGenerateRequest, started: float,
+                      ticket: Ticket, stream: bool, context) -> AsyncIterator[router_pb2.GenerateResponse]:
+        # Matched in the chosen worker's namespace: the worker copies the lease, and verifies it against its own.
+        reuse = (await self._matcher.reuse(worker.info.model.fingerprint, list(forward.prompt_ids),
+                                           forward.cache_salt, context.time_remaining())
+                 if self._matcher else Reuse(None))
+        attempt = worker_pb2.WorkerGenerateRequest()
+        attempt.CopyFrom(forward)
+        if reuse.lease is not None:
+            attempt.l2_lease.CopyFrom(reuse.lease)
+        run = _Run(forward.request_id, len(forward.prompt_ids), started, reuse, worker.info.model.page_size, ticket)
+        call = worker.stub.Generate(attempt, timeout=context.time_remaining())
+        try:
+            async for out in _worker_outputs(call, worker, self._pool):
+                response = run.add(out)
+                if stream or out.finish_reason:
+                    yield run.flush(response)
+        except _WorkerLost as e:
+            e.answered = run.outputs > 0
+            raise
+        finally:
+            call.cancel()
+            run.close()
+            if run.outputs == 0 and reuse.lease is not None:  # the worker may never have seen the lease
+                self._matcher.release_soon(reuse.lease.lease_id)
         metrics.requests.labels(outcome=run.finish_reason or "abort").inc()
 
     def _block_keys(self, ids: list[int], cache_salt: str) -> list[BlockHash]:
@@ -83,15 +131,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=[self._pool.model])
 
 
-async def _worker_outputs(call, address: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+class _WorkerLost(Exception):
+    def __init__(self, worker: WorkerHandle):
+        super().__init__(worker.address)
+        self.worker = worker
+        self.answered = False  # it had sent outputs: too late to retry elsewhere
+
+
+async def _worker_outputs(call, worker: WorkerHandle, pool: WorkerPool
+                          ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    """The worker's outputs; its own statuses pass through as they are, and anything else means the worker is
+    unreachable: it leaves the rotation and `_WorkerLost` is raised."""
     try:
         async for out in call:
             yield out
     except grpc.aio.AioRpcError as e:
-        if e.code() in _PASSED_THROUGH:
-            raise ServiceError(e.code(), e.details()) from None
-        log.warning("worker failed", extra={"worker": address, "code": e.code().name, "details": e.details()})
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model worker {address} is unavailable") from None
+        if e.code() in _PASSED_THROUGH:  # with the worker's retry delay, when it gave one
+            raise ServiceError(e.code(), e.details(), retry_after_s=retry_after_s(e)) from None
+        log.warning("worker failed", extra={"worker": worker.address, "code": e.code().name, "details": e.details()})
+        pool.mark_failed(worker)
+        raise _WorkerLost(worker) from None
 
 
 class _Run:
@@ -100,8 +159,10 @@ class _Run:
     The request counts as waiting (`radixserve_waiting_queue_size`) from admission to its first token or `close()`.
     """
 
-    def __init__(self, request_id: str, prompt_tokens: int, started: float, reuse: Reuse, page_size: int):
+    def __init__(self, request_id: str, prompt_tokens: int, started: float, reuse: Reuse, page_size: int,
+                 ticket: Ticket):
         self.request_id = request_id
+        self.ticket = ticket
         self.reuse = reuse
         self.page_size = page_size
         self.prompt_tokens = prompt_tokens
@@ -120,6 +181,7 @@ class _Run:
             self.first_token_at = time.monotonic()
             metrics.time_to_first_token.observe(self.first_token_at - self.started)
             metrics.waiting_queue_size.dec()
+            self.ticket.done()  # running now: it no longer counts against the router's admission bounds
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.completion_tokens += len(out.token_ids)

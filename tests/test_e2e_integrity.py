@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.launch import LocalServices, free_port, wait_for
@@ -59,6 +60,12 @@ class Cluster:
 
 def worker_info(address: str) -> worker_pb2.WorkerInfo:
     return worker_stub(address).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    return status == health_pb2.HealthCheckResponse.SERVING
 
 
 def worker_idle(address: str) -> bool:
@@ -284,6 +291,7 @@ def test_worker_restarted_in_another_dtype_never_reuses_the_old_pages(dtype_swap
     assert c.services.stop_service("worker_dtype") == 0
     c.services.start_again("worker_dtype", ["--dtype", "bfloat16"])
     assert c.services.workers_registered([worker])
+    assert wait_for(lambda: serving(c.routers["on"]) and serving(c.routers["off"]))  # their health watch saw it back
     assert worker_info(worker).model.dtype == "bfloat16"
     references = cache_off(c.routers["off"], prompts)  # the bfloat16 worker's own answers
     for prompt, reference in zip(prompts, references):

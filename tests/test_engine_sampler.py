@@ -36,3 +36,10 @@ def test_top_k_and_top_p_restrict_support():
     # probs at t=1: ~[.66, .24, .09, ...]: top_p 0.8 keeps {0, 1}
     top_p = {sample(logits, [SamplingRow(1.0, 0, 0.8, generator)])[0] for _ in range(200)}
     assert top_p == {0, 1}
+
+
+def test_a_vanishing_temperature_is_greedy_and_non_finite_logits_fail_only_their_row():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("nan")
+    tokens = sample(logits, [row(temperature=1e-40), row(), row(temperature=1e-40, seed=2)])
+    assert tokens == [logits[0].argmax().item(), None, logits[2].argmax().item()]

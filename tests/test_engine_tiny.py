@@ -179,7 +179,8 @@ def test_config_validation_and_auto_dtype():
     for bad in (dict(dtype="float16"), dict(page_size=0), dict(num_pages=0, l1_cache_size_gb=0)):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=0)):
+    for bad in (dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
+                dict(top_p=float("nan")), dict(top_k=-1), dict(max_new_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 

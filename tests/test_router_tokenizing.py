@@ -9,6 +9,7 @@ import pytest
 
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2
+from router.admission import Admission
 from router.service import RouterServicer
 from router.validation import Limits
 
@@ -36,7 +37,7 @@ class RecordingTokenizer:
 
 def test_tokenizing_runs_off_the_event_loop_one_call_at_a_time():
     tokenizer = RecordingTokenizer()
-    servicer = RouterServicer(pool=None, tokenizer=tokenizer, limits=LIMITS, matcher=None)
+    servicer = RouterServicer(pool=None, tokenizer=tokenizer, limits=LIMITS, matcher=None, admission=Admission(1, 1))
 
     async def main() -> list[router_pb2.TokenizeResponse]:
         requests = [router_pb2.TokenizeRequest(text=f"prompt {i}") for i in range(4)]
@@ -49,6 +50,7 @@ def test_tokenizing_runs_off_the_event_loop_one_call_at_a_time():
 
 
 def test_validation_errors_pass_through_the_tokenizing_thread():
-    servicer = RouterServicer(pool=None, tokenizer=RecordingTokenizer(), limits=LIMITS, matcher=None)
+    servicer = RouterServicer(pool=None, tokenizer=RecordingTokenizer(), limits=LIMITS, matcher=None,
+                              admission=Admission(1, 1))
     with pytest.raises(ServiceError, match="must not be empty"):
         asyncio.run(servicer.Tokenize(router_pb2.TokenizeRequest(text=""), None))

@@ -6,7 +6,7 @@ import pytest
 
 from radixserve.blocks.keys import BlockHash
 from radixserve.v1 import router_pb2, worker_pb2
-from router.routing import PrefixMemory, WorkerHandle, WorkerPool
+from router.routing import NoWorker, PrefixMemory, WorkerHandle, WorkerPool
 
 A, B, C, D = (BlockHash(bytes([i]) * 16) for i in range(4))
 
@@ -49,3 +49,27 @@ def test_without_keys_the_least_loaded_worker_wins():
     first, second = handle("w1"), handle("w2")
     first.in_flight = 1
     assert WorkerPool([first, second], load_slack=2).choose([]) is second
+
+
+def test_unhealthy_and_excluded_workers_get_no_traffic():
+    first, second = handle("w1"), handle("w2")
+    pool = WorkerPool([first, second], load_slack=2)
+    first.memory.remember([A, B])
+    pool.mark_failed(first)
+    assert pool.choose([A, B]) is second and pool.serving
+    assert pool.choose([A, B], exclude=[first]) is second
+    with pytest.raises(NoWorker, match="no healthy model worker"):
+        pool.choose([A], exclude=[second])
+    second.healthy = False
+    assert not pool.serving
+
+
+def test_a_worker_with_a_new_fingerprint_forgets_what_it_held():
+    worker = handle("w1")
+    pool = WorkerPool([worker], load_slack=2)
+    worker.memory.remember([A])
+    pool.update(worker, worker_pb2.WorkerInfo(model=router_pb2.ModelInfo(fingerprint="f"), kv_pages_total=8))
+    assert worker.memory.matched([A]) == 1  # same fingerprint: kept
+    pool.update(worker, worker_pb2.WorkerInfo(model=router_pb2.ModelInfo(fingerprint="g"), kv_pages_total=8))
+    assert worker.memory.matched([A]) == 0 and worker.info.model.fingerprint == "g"
+    assert pool.routing_fingerprint == "f"  # routing keys keep their namespace
