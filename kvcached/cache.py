@@ -42,6 +42,9 @@ from radixserve.blocks.slab import new_segment_name
 
 log = logging.getLogger("kvcached.cache")
 
+MAX_FINGERPRINT_BYTES = 256  # a model fingerprint is a SHA-256 hex digest (64); L3 headers hold at most 65,535
+
+
 class NotFound(KeyError):
     pass
 
@@ -142,8 +145,9 @@ class KVCache:
     # -- namespaces --------------------------------------------------------------------------------------------
     def register(self, fingerprint: str, geometry: BlockGeometry) -> Namespace:
         """The namespace of `fingerprint`, creating its pool on first registration."""
-        if not fingerprint:
-            raise InvalidRequest("model_fingerprint must be set")
+        if not 0 < len(fingerprint.encode()) <= MAX_FINGERPRINT_BYTES:
+            raise InvalidRequest(f"model_fingerprint must be 1-{MAX_FINGERPRINT_BYTES} bytes (a digest), "
+                                 f"got {len(fingerprint.encode())}")
         if geometry.page_size != self._page_size:
             raise Conflict(f"geometry.page_size {geometry.page_size} != kvcached --page-size {self._page_size}")
         existing = self._namespaces.get(fingerprint)

@@ -101,7 +101,8 @@ def test_register_disagreeing_with_existing_namespace(cache, ns, change, error, 
     ("m", dict(num_layers=0), ValueError, "must be >= 1"),
     ("m", dict(num_kv_heads=0), ValueError, "must be >= 1"),
     ("m", dict(head_dim=0), ValueError, "must be >= 1"),
-    ("", {}, InvalidRequest, "must be set"),
+    ("", {}, InvalidRequest, "must be 1-256 bytes"),
+    ("f" * 257, {}, InvalidRequest, "must be 1-256 bytes"),
     ("m", dict(num_layers=SLOTS + 1, head_dim=SLOTS * 4), InvalidRequest, "larger than the whole L2 pool"),
 ])
 def test_register_rejects_bad_first_registration(cache, fingerprint, change, error, message):
