@@ -77,7 +77,7 @@ def test_a_forward_that_fails_for_one_request_fails_only_it(tiny_llama_dir, alon
     assert tokens(outputs["a"]) == alone["a"] and tokens(outputs["c"]) == alone["c"]
 
 
-def test_a_full_queue_refuses_at_once_and_keeps_the_lease_released(tiny_llama_dir):
+def test_a_full_queue_refuses_at_once_past_either_bound(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_waiting_requests=2, max_waiting_tokens=60)
     engine.add_request("1", PROMPTS["a"], GREEDY, lambda out: None)
     with pytest.raises(Overloaded, match="40 prompt tokens are waiting; 40 more would pass --max-waiting-tokens 60"):
