@@ -94,6 +94,16 @@ def test_a_slot_whose_header_does_not_name_the_block_never_reaches_l3(disk, clos
     assert stored(cache, disk) == 1 and cache.l3.unverified_blocks == 1
 
 
+def test_a_block_whose_write_was_dropped_is_never_matched_in_l3(tmp_path, close_all):
+    with DiskTier(tmp_path / "l3", BLOCK // 2) as tiny:  # every block is larger than the budget: each write drops
+        cache = make_cache(tiny, WritePolicy.WRITE_THROUGH)
+        close_all(cache)
+        commit(cache, toks(1, 2, 3))
+        assert stored(cache, tiny) == 0 and tiny.stats().dropped_writes == 3
+        cache.allocate(FP, segment(cache), SLOTS)  # evicts the three pages from L2
+        assert cache.match(FP, "", toks(1, 2, 3), lease=False).l3_pages == 0
+
+
 def test_prefetch_loads_the_l3_run_front_to_back_into_l2(disk, close_all):
     cache = make_cache(disk, WritePolicy.WRITE_BACK)
     close_all(cache)

@@ -121,6 +121,7 @@ def test_a_block_larger_than_the_budget_is_dropped(tmp_path):
     with DiskTier(tmp_path, budget_bytes=SIZE) as tier:
         put(tier, 0, n=N + 1)
         assert tier.stats().dropped_writes == 1 and stored(tier) == set()
+        assert tier.take_events() == [TierEvent(EventKind.REMOVED, key(0))]  # the daemon forgets it
 
 
 def test_a_full_map_never_raises(tmp_path):
@@ -203,6 +204,7 @@ def test_io_errors_mark_unhealthy_and_never_raise(tier, monkeypatch):
     assert tier.put_async(NS, key(1), parent(1), payload(1)) and tier.flush(timeout=10)
     s = tier.stats()
     assert not s.healthy and s.io_errors >= 2 and s.dropped_writes == 1
+    assert TierEvent(EventKind.REMOVED, key(1)) in tier.take_events()
     monkeypatch.undo()
 
 

@@ -21,7 +21,9 @@ Threads and contracts
   turns unhealthy; nothing is raised). What they return is a copy: it stays valid after the call.
 - `flush` returns once everything queued before it is committed and synced; `close` flushes, then stops the writer.
 - `take_events` drains the STORED / REMOVED events since the last call, in commit order, so the daemon can keep
-  its index in step with evictions; they accumulate until taken.
+  its index in step with evictions; they accumulate until taken. A queued block whose write the writer drops (larger
+  than the budget, map still full after evicting, an I/O error) gets a REMOVED event too: the daemon counts a block
+  as stored once `put_async` accepts it, and must not match it afterwards.
 - `check_integrity()` (tests, idle daemon): the keys in LMDB are exactly the tracked blocks plus those awaiting
   deletion, and `bytes_used` is the sum of their stored sizes.
 
@@ -89,7 +91,7 @@ class BlockMeta(NamedTuple):
 
 class EventKind(str, Enum):
     STORED = "stored"
-    REMOVED = "removed"  # evicted, corrupt, or dropped with its namespace
+    REMOVED = "removed"  # evicted, corrupt, dropped with its namespace, or its queued write was dropped
 
 
 class TierEvent(NamedTuple):
@@ -384,7 +386,7 @@ class DiskTier:
             self._retry_put(fresh)
         except lmdb.Error as exc:
             self._fault("write", exc)
-            self._count_dropped(len(fresh))
+            self._drop([key for key, _ in fresh])
 
     def _retry_put(self, fresh: list[tuple[bytes, bytes]]) -> None:
         try:
@@ -392,7 +394,7 @@ class DiskTier:
         except lmdb.MapFullError:
             log.warning("disk tier map full after evicting; dropping blocks",
                         extra={"path": self.path, "blocks": len(fresh)})
-            self._count_dropped(len(fresh))
+            self._drop([key for key, _ in fresh])
 
     def _fresh(self, puts: list[_Put]) -> list[tuple[bytes, bytes]]:
         """(key, value) for the puts not stored yet, each key once; blocks larger than the budget are dropped."""
@@ -400,7 +402,7 @@ class DiskTier:
             new = {p.key: p for p in puts if p.key not in self._lru}
         fresh = [(key, _encode(p)) for key, p in new.items()]
         fitting = [(key, value) for key, value in fresh if len(value) <= self._budget]
-        self._count_dropped(len(fresh) - len(fitting))
+        self._drop([key for key, value in fresh if len(value) > self._budget])
         return fitting
 
     def _put_all(self, fresh: list[tuple[bytes, bytes]]) -> None:
@@ -477,9 +479,11 @@ class DiskTier:
             self._healthy = False
             self._counts["io_errors"] += 1
 
-    def _count_dropped(self, n: int) -> None:
+    def _drop(self, keys: list[bytes]) -> None:
+        """Counts queued writes that will not land, with a REMOVED event each (see `take_events`)."""
         with self._lock:
-            self._counts["dropped_writes"] += n
+            self._counts["dropped_writes"] += len(keys)
+            self._events.extend(TierEvent(EventKind.REMOVED, BlockHash(key)) for key in keys)
 
 
 def _open_env(path: str, map_size: int) -> lmdb.Environment:
