@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from kvcached.l3 import WritePolicy
 from radixserve.config import cache_root, setting
+from radixserve.transport import TransportSecurity
 
 
 @dataclass(frozen=True)
-class KVCachedConfig:
+class KVCachedConfig(TransportSecurity):
     """radixserve kvcached: the per-host KV-cache daemon (radix prefix index, shared-memory L2, LMDB L3)."""
 
     host: str = setting("127.0.0.1", "address to bind (loopback: workers share this host's memory)")
@@ -36,6 +37,7 @@ class KVCachedConfig:
     drain_grace_s: float = setting(5.0, "seconds in-flight RPCs get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.host_cache_size_gb <= 0:
             raise ValueError("--host-cache-size-gb must be positive")
         if self.page_size < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.config import Choice, setting
+from radixserve.transport import TransportSecurity
 
 
 class DType(Choice):
@@ -18,8 +19,8 @@ class DType(Choice):
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How the engine batches, how much KV it holds, and where the shared tier is."""
+class EngineConfig(TransportSecurity):
+    """How the engine batches, how much KV it holds, and where the shared tier is and how to reach it."""
 
     dtype: DType = setting(DType.AUTO, "auto = bfloat16 where the GPU or CPU computes it natively (CUDA, "
                                        "AVX512-BF16/AMX), else float32")
@@ -38,6 +39,7 @@ class EngineConfig:
     kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "dtype", DType(self.dtype))
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "kvcached_timeout_ms",
                      "max_waiting_requests", "max_waiting_tokens"):

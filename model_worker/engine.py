@@ -118,7 +118,7 @@ class Engine:
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         block_copy = block_copy_for(self.device)
-        self.kvcache = (KVCacheClient(config.kvcached, self.info.fingerprint, self.geometry, self.pool.kv,
+        self.kvcache = (KVCacheClient(config.kvcached, config, self.info.fingerprint, self.geometry, self.pool.kv,
                                       config.kvcached_timeout_ms / 1e3, block_copy) if config.kvcached else None)
         self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock, block_copy)
         self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)

@@ -38,6 +38,7 @@ from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy, slab_blocks
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.blocks.slab import SlabSegment
+from radixserve.transport import TransportSecurity, open_channel
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger("model_worker.kvcache_client")
@@ -70,11 +71,11 @@ class Attached:
 
 
 class KVCacheClient:
-    def __init__(self, address: str, fingerprint: str, geometry: BlockGeometry, l1_kv: torch.Tensor,
-                 timeout_s: float, block_copy: HostBlockCopy):
+    def __init__(self, address: str, security: TransportSecurity, fingerprint: str, geometry: BlockGeometry,
+                 l1_kv: torch.Tensor, timeout_s: float, block_copy: HostBlockCopy):
         """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`, moved by `block_copy`."""
         self._block_copy = block_copy
-        self._stub = kvcache_pb2_grpc.KVCacheStub(grpc.insecure_channel(address))
+        self._stub = kvcache_pb2_grpc.KVCacheStub(open_channel(address, security))
         self._address = address
         self._fingerprint = fingerprint
         self._geometry = geometry

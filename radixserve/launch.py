@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixserve.blocks.slab import segment_pid
 from radixserve.config import parse_config, setting
 from radixserve.server import LAUNCHER_PID_ENV
+from radixserve.transport import PLAINTEXT, TransportSecurity, open_channel
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,11 +46,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(address: str, process: subprocess.Popen, timeout_s: float) -> None:
-    """Blocks until `address` reports SERVING; raises if `process` exits or `timeout_s` passes first."""
+def wait_healthy(address: str, process: subprocess.Popen, timeout_s: float,
+                 security: TransportSecurity = PLAINTEXT) -> None:
+    """Blocks until `address` reports SERVING (asked with `security`); raises if `process` exits or `timeout_s`
+    passes first."""
     deadline = time.monotonic() + timeout_s
     serving = health_pb2.HealthCheckResponse.SERVING
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -75,9 +78,11 @@ def wait_for(condition, timeout_s: float = 20) -> bool:
 
 @dataclass
 class Stack:
-    """Processes started in order and stopped in reverse; usable as a context manager."""
+    """Processes started in order and stopped in reverse; usable as a context manager. Each gets `security`'s
+    flags (TLS files, the token) before its own, and is health-checked with them."""
 
     processes: list[subprocess.Popen] = field(default_factory=list)
+    security: TransportSecurity = PLAINTEXT
 
     def start(self, module: str, port: int, args: list[str], timeout_s: float = 300, **popen) -> subprocess.Popen:
         """`python -m module --port port *args`, once it serves; `popen` goes to `subprocess.Popen`. The process
@@ -88,9 +93,10 @@ class Stack:
         NOTE: not a `preexec_fn`: that forces a plain fork of a process whose gRPC threads and fork handlers then
         run in the child before exec; seen here to abort the child (epoll_wait: Bad file descriptor)."""
         env = {**popen.pop("env", os.environ), LAUNCHER_PID_ENV: str(os.getpid())}
-        process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], env=env, **popen)
+        process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *self.security.flags(), *args],
+                                   env=env, **popen)
         self.processes.append(process)
-        wait_healthy(f"127.0.0.1:{port}", process, timeout_s)
+        wait_healthy(f"127.0.0.1:{port}", process, timeout_s, self.security)
         return process
 
     def stop_process(self, process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
@@ -156,9 +162,12 @@ class LocalServices:
     def worker(self, kvcached: str, name: str = "worker", args: list[str] = ()) -> str:
         return self.start("model_worker", name, ["--kvcached", kvcached, "--l1-cache-size-gb", "0.25", *args])
 
-    def router(self, workers: list[str], kvcached: str, name: str = "router", args: list[str] = ()) -> str:
+    def router(self, workers: list[str], kvcached: str, name: str = "router", args: list[str] = (),
+               http_port: int = 0) -> str:
+        """`http_port` 0: no HTTP API (off, like metrics, so that stacks side by side never collide on it)."""
         worker_flags = [flag for w in workers for flag in ("--worker", w)]
-        return self.start("router", name, [*worker_flags, "--kvcached", kvcached, *args])
+        return self.start("router", name, [*worker_flags, "--kvcached", kvcached, "--http-port", str(http_port),
+                                           *args])
 
     def kvcached_and_two_workers(self) -> tuple[str, str, str]:
         """kvcached, then worker_a and worker_b sharing it: the addresses, in that order."""
@@ -180,7 +189,7 @@ class LocalServices:
         pid = self.processes[kvcached].pid
 
         def registered(worker: str) -> bool:
-            with grpc.insecure_channel(worker) as channel:
+            with open_channel(worker, self.stack.security) as channel:
                 info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
             return segment_pid(info.kvcached_segment) == pid
 
@@ -204,9 +213,9 @@ Ctrl-C stops everything.
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class LaunchConfig(TransportSecurity):
     """radixserve launcher (`make run`): kvcached, one model worker and the router on loopback, until SIGINT or
-    SIGTERM."""
+    SIGTERM. The TLS and token flags go to all three services."""
 
     router_port: int = setting(50051, "the router's gRPC port: the public API")
     kvcached_port: int = setting(50052, "kvcached's gRPC port")
@@ -254,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     """`make run`: the stack until the first SIGINT or SIGTERM, which may come while it starts; exits 1 when a
     service exited by itself."""
     config = parse_config(LaunchConfig, argv)
-    stack = Stack()
+    stack = Stack(security=config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _shutdown_on_signal)
     try:

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +34,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from prometheus_client import start_http_server
+
+from radixserve.transport import PLAINTEXT, TokenInterceptor, TransportSecurity, server_credentials
 
 log = logging.getLogger("radixserve.server")
 
@@ -232,27 +234,35 @@ class ServiceSpec:
     full_name: str  # e.g. "radixserve.v1.Router", for health and reflection
 
 
-def make_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
-                max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> grpc.aio.Server:
-    """A grpc.aio server with the `StatusInterceptor`, refusing larger messages and more RPCs in flight."""
+def make_server(max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+                auth_token: str = "") -> grpc.aio.Server:
+    """A grpc.aio server with the `StatusInterceptor`, refusing larger messages and more RPCs in flight, and with an
+    `auth_token`, calls without it (`TokenInterceptor`)."""
     if max_message_bytes < 1 or max_concurrent_rpcs < 1:
         raise ValueError("max_message_bytes and max_concurrent_rpcs must be positive")
-    return grpc.aio.server(interceptors=[StatusInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
+    interceptors = ([TokenInterceptor(auth_token)] if auth_token else []) + [StatusInterceptor()]
+    return grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                            options=[("grpc.max_receive_message_length", max_message_bytes),
                                     ("grpc.max_send_message_length", max_message_bytes)])
 
 
 async def serve(name: str, host: str, port: int, metrics_port: int, services: Iterable[ServiceSpec],
                 grace_s: float = 10.0, components: Mapping[str, Callable[[], bool]] | None = None,
-                max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> None:
+                max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+                security: TransportSecurity = PLAINTEXT,
+                also_drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`.
 
     Health and reflection are always served. `components` are extra health names (e.g. a cache tier) whose status
     follows their check, polled every `COMPONENT_POLL_S`. `metrics_port` 0 turns the Prometheus endpoint off.
-    `max_message_bytes` and `max_concurrent_rpcs` bound the server (`make_server`).
+    `max_message_bytes` and `max_concurrent_rpcs` bound the server (`make_server`). `security` (the process's
+    config) says TLS or not, client certificates or not, and for an internal server the token it requires; the
+    metrics endpoint follows its TLS settings (`radixserve.transport`). `also_drain` stops another listener of the
+    process (the router's HTTP API) together with this server, within the same grace.
     """
     services = list(services)
-    server = make_server(max_message_bytes, max_concurrent_rpcs)
+    server = make_server(max_message_bytes, max_concurrent_rpcs,
+                         security.auth_token() if security.INTERNAL else "")
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for spec in services:
@@ -260,14 +270,20 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
     names = [s.full_name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    credentials = server_credentials(security)
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    if bound == 0:
         raise SystemExit(f"{name}: cannot bind {address}")
     if metrics_port:
-        start_http_server(metrics_port, addr=host)
+        start_http_server(metrics_port, addr=host, certfile=security.tls_cert or None,
+                          keyfile=security.tls_key or None, client_cafile=security.tls_ca or None,
+                          client_auth_required=security.tls_client_auth)
     await server.start()
     for service_name in ["", *(s.full_name for s in services)]:
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", extra={"service": name, "address": address, "metrics_port": metrics_port})
+    log.info("serving", extra={"service": name, "address": address, "metrics_port": metrics_port,
+                               "tls": "mutual" if security.tls_client_auth else security.tls,
+                               "token": bool(security.INTERNAL and security.auth_token_file)})
     watch = asyncio.create_task(_watch_components(health_servicer, components or {}))
 
     stop = asyncio.Event()
@@ -280,7 +296,7 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
     log.info("draining", extra={"service": name, "grace_s": grace_s})
     for service_name in ["", *(s.full_name for s in services)]:
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace_s)
+    await asyncio.gather(server.stop(grace_s), *([also_drain()] if also_drain else []))
     log.info("stopped", extra={"service": name, "drain_s": round(time.monotonic() - started, 3)})
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from radixserve.config import Choice, setting
+from radixserve.transport import TransportSecurity
+from router.tenants import TenantSource
 
 
 class PrefetchPolicy(Choice):
@@ -14,12 +17,16 @@ class PrefetchPolicy(Choice):
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """radixserve router: the public gRPC API in front of kvcached and the model workers."""
+class RouterConfig(TransportSecurity):
+    """radixserve router: the public gRPC and HTTP APIs in front of kvcached and the model workers."""
+
+    INTERNAL: ClassVar[bool] = False  # the public API: clients need no internal token
 
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(50051, "gRPC port of the public radixserve.v1.Router service")
     metrics_port: int = setting(9101, "Prometheus metrics HTTP port; 0 turns it off")
+    http_port: int = setting(8000, "HTTP port of the OpenAI-compatible and SGLang-native API (vLLM's default "
+                                   "port); 0 turns it off")
     log_level: str = setting("info", "debug, info, warning or error")
     worker: tuple[str, ...] = setting(("127.0.0.1:50053",), "model worker HOST:PORT")
     kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT; empty = no shared prefix cache")
@@ -34,6 +41,11 @@ class RouterConfig:
                                              "refused at once with RESOURCE_EXHAUSTED and a retry delay")
     max_pending_tokens: int = setting(262_144, "most prompt tokens of requests waiting for their first token; "
                                                "past it, refused as above")
+    api_keys_file: str = setting("", "file of '<tenant> <key>' lines: every public call must then carry "
+                                     "'authorization: Bearer <key>' (UNAUTHENTICATED / HTTP 401 otherwise)")
+    tenant_from: TenantSource = setting(TenantSource.SALT, "where a request's cache namespace comes from: the "
+                                        "client's cache_salt, or its authenticated identity (API key's tenant, "
+                                        "mTLS client certificate), so no tenant can probe another's cache")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_input_chars: int = setting(262_144, "largest text (or sum of message contents) accepted, before tokenizing")
     max_stop_strings: int = setting(16, "most stop strings per request; each is checked on every decoded token")
@@ -45,8 +57,15 @@ class RouterConfig:
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.worker:
             raise ValueError("at least one --worker is needed")
+        if self.tenant_from is TenantSource.API_KEY and not self.api_keys_file:
+            raise ValueError("--tenant-from api_key needs --api-keys-file")
+        if self.tenant_from is TenantSource.CLIENT_CERT and not self.tls_client_auth:
+            raise ValueError("--tenant-from client_cert needs --tls-client-auth (and its certificates)")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError("--http-port must be in [0, 65535]")
         if self.prefetch_timeout_ms < 0:
             raise ValueError("--prefetch-timeout-ms must not be negative")
         if self.kvcached_timeout_ms < 1 or self.lease_ttl_ms < 1:

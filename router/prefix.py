@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from radixserve.transport import TransportSecurity, open_aio_channel
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, worker_pb2
 from router import metrics
 from router.config import PrefetchPolicy
@@ -45,9 +46,9 @@ class Reuse:
 
 
 class PrefixMatcher:
-    def __init__(self, address: str, timeout_s: float, lease_ttl_ms: int, policy: PrefetchPolicy,
-                 prefetch_timeout_s: float):
-        self._stub = kvcache_pb2_grpc.KVCacheStub(grpc.aio.insecure_channel(address))
+    def __init__(self, address: str, security: TransportSecurity, timeout_s: float, lease_ttl_ms: int,
+                 policy: PrefetchPolicy, prefetch_timeout_s: float):
+        self._stub = kvcache_pb2_grpc.KVCacheStub(open_aio_channel(address, security))
         self._address = address
         self._releases: set[asyncio.Task] = set()  # in flight; a reference keeps each task alive
         self._timeout_s = timeout_s

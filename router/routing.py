@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixserve.blocks.keys import BlockHash
+from radixserve.transport import TransportSecurity, open_aio_channel
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.routing")
@@ -60,9 +61,10 @@ class WorkerHandle:
     in_flight: int = field(default=0)
 
 
-async def connect_worker(address: str, wait_s: float) -> WorkerHandle:
-    """Opens a channel to `address` and waits up to `wait_s` for its GetInfo (the worker may still be loading)."""
-    channel = grpc.aio.insecure_channel(address)
+async def connect_worker(address: str, wait_s: float, security: TransportSecurity) -> WorkerHandle:
+    """Opens a channel to `address` with `security` and waits up to `wait_s` for its GetInfo (the worker may still
+    be loading)."""
+    channel = open_aio_channel(address, security)
     stub = worker_pb2_grpc.WorkerStub(channel)
     deadline = time.monotonic() + wait_s
     while True:

@@ -1,4 +1,5 @@
-"""gRPC glue for the public `radixserve.v1.Router` service; validation, tokenization and routing live beside it."""
+"""The router's request path (`Router`) and the gRPC glue of the public `radixserve.v1.Router` service over it;
+validation, tokenization and routing live beside it, the HTTP API in `router.http_server`."""
 
 from __future__ import annotations
 
@@ -6,19 +7,20 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
 from radixserve.server import ServiceError, retry_after_s
+from radixserve.transport import peer_identity
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router import metrics
 from router.admission import Admission, Overloaded, Ticket
 from router.prefix import PrefixMatcher, Reuse
 from router.routing import NoWorker, WorkerHandle, WorkerPool
-from router.tokenizer import PromptTokenizer
+from router.tenants import OPEN, Tenants
+from router.tokenizer import TokenizerLanes
 from router.validation import Limits, prompt_ids, resolve_sampling
 
 log = logging.getLogger("router.service")
@@ -30,20 +32,46 @@ RETRIES = 1  # a request whose worker is lost before its first token runs once m
 OVERLOAD_RETRY_S = 1.0  # the retry delay an overloaded router suggests: about one long prefill here
 
 
-class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, pool: WorkerPool, tokenizer: PromptTokenizer, limits: Limits, matcher: PrefixMatcher | None,
-                 admission: Admission):
-        """`matcher` None: radix cache disabled; workers neither reuse nor cache pages."""
+class Router:
+    """The router's one request path, whatever the transport: the gRPC servicer and the HTTP API both call it.
+
+    `generate` tokenizes and validates (INVALID_ARGUMENT), admits (RESOURCE_EXHAUSTED with a retry delay), matches
+    the cached prefix, routes, runs the request on a worker (once more elsewhere if that worker is lost before its
+    first token; UNAVAILABLE otherwise) and accumulates its outputs. Failures are `ServiceError`s with a gRPC status;
+    a transport maps them to its own. Closing or cancelling the iterator cancels the worker's request, which frees
+    its pages.
+    """
+
+    def __init__(self, pool: WorkerPool, tokenizers: TokenizerLanes, limits: Limits, matcher: PrefixMatcher | None,
+                 admission: Admission, tenants: Tenants = OPEN):
+        """`matcher` None: radix cache disabled; workers neither reuse nor cache pages. `tenants` authenticates the
+        callers (`identify`, which the transports call) and keys their cache namespaces."""
         self._pool = pool
         self._admission = admission
         self._matcher = matcher
-        self._tokenizer = tokenizer
+        self._tokenizers = tokenizers
         self._limits = limits
-        # One thread: a long prompt never stalls the event loop, and the tokenizer (not safe for concurrent calls)
-        # sees one call at a time.
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.tenants = tenants
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context) -> AsyncIterator[router_pb2.GenerateResponse]:
+    @property
+    def model(self) -> router_pb2.ModelInfo:
+        return self._pool.model
+
+    @property
+    def serving(self) -> bool:
+        """Some worker can take a request."""
+        return self._pool.serving
+
+    def identify(self, authorization: str | None, peer: str | None) -> str | None:
+        """The caller's tenant (`Tenants.identify`): every transport asks before it serves a call."""
+        return self.tenants.identify(authorization, peer)
+
+    async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
+                       tenant: str | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The responses to `request`: deltas when `request.stream`, else exactly one message; the last carries
+        `finish_reason`, usage and timings. `time_remaining()` is the client's remaining time in seconds (None: no
+        deadline); past it the request fails with DEADLINE_EXCEEDED. `tenant` (from `identify`) owns the cache
+        namespace with the request's salt inside it."""
         started = time.monotonic()
         ids = await self._prompt_ids(request)
         sampling = resolve_sampling(request.sampling, len(ids), self._limits)
@@ -54,15 +82,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router overloaded: {e}",
                                retry_after_s=OVERLOAD_RETRY_S) from None
         metrics.prompt_tokens.inc(len(ids))
+        cache_salt = Tenants.cache_salt(tenant, request.cache_salt)
         forward = worker_pb2.WorkerGenerateRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_ids=ids, sampling=sampling,
-            cache_salt=request.cache_salt, disable_cache=self._matcher is None)
-        keys = self._block_keys(ids, request.cache_salt)
+            cache_salt=cache_salt, disable_cache=self._matcher is None)
+        keys = self._block_keys(ids, cache_salt)
         lost: list[WorkerHandle] = []
         try:
             while True:
                 try:
-                    async for response in self._attempt(forward, keys, lost, started, ticket, request.stream, context):
+                    async for response in self._attempt(forward, keys, lost, started, ticket, request.stream,
+                                                        time_remaining):
                         yield response
                     return
                 except _WorkerLost as e:
@@ -76,28 +106,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ticket.done()
 
     async def _attempt(self, forward: worker_pb2.WorkerGenerateRequest, keys: list[BlockHash],
-                       lost: list[WorkerHandle], started: float, ticket: Ticket, stream: bool, context
-                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       lost: list[WorkerHandle], started: float, ticket: Ticket, stream: bool,
+                       time_remaining: Callable[[], float | None]) -> AsyncIterator[router_pb2.GenerateResponse]:
         """One try on a healthy worker not in `lost`; raises `_WorkerLost` if that worker turns out unreachable."""
         try:
             with self._pool.pick(keys, exclude=lost) as worker:
-                async for response in self._run_on(worker, forward, started, ticket, stream, context):
+                async for response in self._run_on(worker, forward, started, ticket, stream, time_remaining):
                     yield response
         except NoWorker as e:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
     async def _run_on(self, worker: WorkerHandle, forward: worker_pb2.WorkerGenerateRequest, started: float,
-                      ticket: Ticket, stream: bool, context) -> AsyncIterator[router_pb2.GenerateResponse]:
+                      ticket: Ticket, stream: bool, time_remaining: Callable[[], float | None]
+                      ) -> AsyncIterator[router_pb2.GenerateResponse]:
         # Matched in the chosen worker's namespace: the worker copies the lease, and verifies it against its own.
         reuse = (await self._matcher.reuse(worker.info.model.fingerprint, list(forward.prompt_ids),
-                                           forward.cache_salt, context.time_remaining())
+                                           forward.cache_salt, time_remaining())
                  if self._matcher else Reuse(None))
         attempt = worker_pb2.WorkerGenerateRequest()
         attempt.CopyFrom(forward)
         if reuse.lease is not None:
             attempt.l2_lease.CopyFrom(reuse.lease)
         run = _Run(forward.request_id, len(forward.prompt_ids), started, reuse, worker.info.model.page_size, ticket)
-        call = worker.stub.Generate(attempt, timeout=context.time_remaining())
+        call = worker.stub.Generate(attempt, timeout=time_remaining())
         try:
             async for out in _worker_outputs(call, worker, self._pool):
                 response = run.add(out)
@@ -119,16 +150,43 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return []
         return block_hashes(namespace_key(self._pool.routing_fingerprint, cache_salt), ids, self._pool.model.page_size)
 
-    async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
-        return router_pb2.TokenizeResponse(token_ids=await self._prompt_ids(request))
+    async def tokenize(self, request: router_pb2.TokenizeRequest) -> list[int]:
+        """The token ids `generate` would compute for the same text or messages."""
+        return await self._prompt_ids(request)
 
     async def _prompt_ids(self, request: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
-        """`prompt_ids` on the tokenizing thread; its INVALID_ARGUMENT errors propagate as they are."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, prompt_ids, request, self._tokenizer, self._limits)
+        """`prompt_ids` on the tokenizing thread of the request's size (`TokenizerLanes`: a long prompt never stalls
+        the event loop or a short one); its INVALID_ARGUMENT errors propagate as they are."""
+        executor, tokenizer = self._tokenizers.lane(request.ByteSize())
+        return await asyncio.get_running_loop().run_in_executor(executor, prompt_ids, request, tokenizer,
+                                                                self._limits)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """The public `radixserve.v1.Router` service over `Router`; the gRPC deadline is the request's."""
+
+    def __init__(self, router: Router):
+        self._router = router
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        tenant = self._identify(context)
+        async for response in self._router.generate(request, context.time_remaining, tenant):
+            yield response
+
+    async def Tokenize(self, request: router_pb2.TokenizeRequest, context) -> router_pb2.TokenizeResponse:
+        self._identify(context)
+        return router_pb2.TokenizeResponse(token_ids=await self._router.tokenize(request))
 
     async def ListModels(self, request, context) -> router_pb2.ListModelsResponse:
-        return router_pb2.ListModelsResponse(models=[self._pool.model])
+        self._identify(context)
+        return router_pb2.ListModelsResponse(models=[self._router.model])
+
+    def _identify(self, context) -> str | None:
+        """The caller's tenant from its `authorization` metadata and mTLS certificate (UNAUTHENTICATED if one the
+        router requires is missing)."""
+        metadata = dict(context.invocation_metadata() or ())
+        return self._router.identify(metadata.get("authorization"), peer_identity(context))
 
 
 class _WorkerLost(Exception):

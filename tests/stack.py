@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 
 from radixserve.blocks.slab import SHM_DIR, segment_pid
-from radixserve.launch import LocalServices
+from radixserve.launch import LocalServices, free_port
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -64,12 +64,13 @@ def kvcached_stats(address: str) -> kvcache_pb2.KVCacheStats:
 
 @dataclass
 class RunningStack:
-    """kvcached, one worker and a router."""
+    """kvcached, one worker and a router, with its HTTP API at `http_url`."""
 
     services: LocalServices
     kvcached_address: str
     worker_address: str
     router_address: str
+    http_url: str
 
     def router(self) -> router_pb2_grpc.RouterStub:
         return router_stub(self.router_address)
@@ -78,12 +79,14 @@ class RunningStack:
         return worker_stub(self.worker_address)
 
 
-def start_stack(log_dir: Path) -> RunningStack:
+def start_stack(log_dir: Path, router_args: list[str] = ()) -> RunningStack:
     services = LocalServices(log_dir)
     try:
         kvcached = services.kvcached()
         worker = services.worker(kvcached)
-        return RunningStack(services, kvcached, worker, services.router([worker], kvcached))
+        http_port = free_port()
+        router = services.router([worker], kvcached, args=router_args, http_port=http_port)
+        return RunningStack(services, kvcached, worker, router, f"http://127.0.0.1:{http_port}")
     except BaseException:
         services.stop()
         raise
