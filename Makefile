@@ -1,4 +1,5 @@
-# All set-up on a fresh machine: `make run` or `make test`. Nothing outside PyPI is fetched.
+# All set-up on a fresh machine: `make run` or `make test`. Nothing outside PyPI is fetched, except Debian's
+# `prometheus` package for `make test` (system-deps).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/radixserve/v1/*.proto)
 STUBS := radixserve/v1/__init__.py
 
-.PHONY: install proto model run test bench bench-peers clean
+.PHONY: install proto model system-deps run test bench bench-peers clean
 
 install: $(STAMP) $(STUBS)
 
@@ -40,7 +41,19 @@ run: model
 	@echo "==> starting kvcached, a model worker and the router"
 	@$(PY) -m radixserve.launch
 
-test: model
+# Debian's `prometheus`, the real server tests/test_e2e_prometheus.py scrapes a stack with: installed with apt-get
+# when it is missing and this runs as root with apt-get; otherwise nothing is installed and that test skips itself.
+system-deps:
+	@if command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "==> installing prometheus (Debian package) for the Prometheus end-to-end test"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null; } || echo "==> apt-get failed: tests/test_e2e_prometheus.py will be skipped"; \
+	else \
+		echo "==> no prometheus and no root with apt-get: tests/test_e2e_prometheus.py will be skipped"; \
+	fi
+
+test: model system-deps
 	@echo "==> running the test suite"
 	@$(PY) -m pytest -q
 
