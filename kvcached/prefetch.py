@@ -9,7 +9,10 @@ batch that outlives `read_timeout_s` per page ends it too, and its slots are fre
 returns, because the stuck thread may still write into them.
 
 When: only for an L3 run of at least `threshold_tokens` whose predicted load time (bytes / the measured read
-bandwidth, a moving average) is below its predicted recompute time (tokens / `recompute_tokens_per_s`).
+bandwidth, a moving average) is below its predicted recompute time (tokens / `recompute_tokens_per_s`). The same
+rule extends a cost-aware wait (the router's `timeout` policy) past its timeout: while the pages still loading are
+predicted to arrive sooner than they would recompute, and keep arriving, waiting is the faster way to the first
+token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ log = logging.getLogger("kvcached.prefetch")
 INITIAL_READ_BPS = 1e9  # before the first measurement: a conservative guess for page-cache reads
 EWMA_WEIGHT = 0.2
 READ_BATCH = 8  # pages per pool-thread task: fewer event-loop round trips, yet a prefix is usable every 8 pages
+EXTEND_SLACK, EXTEND_MIN_S = 1.5, 0.01  # a cost-aware wait's next step: the predicted rest, with room for noise
 
 
 class Prefetcher:
@@ -65,16 +69,39 @@ class Prefetcher:
             metrics.prefetches.inc()
         return prefetch.prefetch_id
 
-    async def wait(self, prefetch_id: str, timeout_s: float) -> tuple[int, int, bool]:
-        """(ready pages, total pages, done) after waiting up to `timeout_s` for the prefetch to finish."""
+    async def wait(self, prefetch_id: str, timeout_s: float, cost_aware: bool = False) -> tuple[int, int, bool]:
+        """(ready pages, total pages, done) after waiting up to `timeout_s` for the prefetch to finish; with
+        `cost_aware`, then on while `_rest_if_cheaper` says waiting for the rest beats recomputing it."""
         prefetch = self._cache.prefetch(prefetch_id)
         if prefetch is None:  # finished before we looked, or never started
             return 0, 0, True
-        try:
-            await asyncio.wait_for(self._finished[prefetch_id].wait(), timeout_s)
-        except TimeoutError:
-            pass
+        finished, budget_s, extending = self._finished[prefetch_id], timeout_s, False
+        started, ready_at_start = time.monotonic(), prefetch.ready
+        while True:
+            ready = prefetch.ready
+            try:
+                await asyncio.wait_for(finished.wait(), budget_s)
+                break
+            except TimeoutError:
+                pass
+            if not cost_aware or (extending and prefetch.ready == ready):  # an extension that brought nothing: stuck
+                break
+            loaded = prefetch.ready - ready_at_start
+            page_s = ((time.monotonic() - started) / loaded if loaded
+                      else prefetch.namespace.geometry.block_bytes / self._read_bps)
+            budget_s, extending = self._rest_if_cheaper(prefetch, page_s), True
+            if budget_s is None:
+                break
         return prefetch.ready, prefetch.total, prefetch.done
+
+    def _rest_if_cheaper(self, prefetch: Prefetch, page_s: float) -> float | None:
+        """How much longer to wait for `prefetch`'s remaining pages, loading at `page_s` a page (as fast as during
+        this wait, else the disk's measured bandwidth): their predicted load time with some slack, if it is below
+        their predicted recompute time; else None (stop waiting)."""
+        remaining = prefetch.total - prefetch.ready
+        load_s = remaining * page_s
+        recompute_s = remaining * self._page_size / self._recompute_tps
+        return EXTEND_SLACK * load_s + EXTEND_MIN_S if load_s < recompute_s else None
 
     async def _run(self, prefetch: Prefetch) -> None:
         stuck: list[int] = []

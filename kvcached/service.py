@@ -93,7 +93,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     async def WaitPrefetch(self, request):
         if self._prefetcher is None:
             return kvcache_pb2.WaitPrefetchResponse(done=True)
-        ready, total, done = await self._prefetcher.wait(request.prefetch_id, request.timeout_ms / 1e3)
+        ready, total, done = await self._prefetcher.wait(request.prefetch_id, request.timeout_ms / 1e3,
+                                                         request.cost_aware)
         return kvcache_pb2.WaitPrefetchResponse(ready_pages=ready, total_pages=total, done=done)
 
     @_rpc

@@ -161,6 +161,7 @@ class KVCacheClient:
 
     def _attach(self, segment_name: str, num_slots: int) -> None:
         segment = SlabSegment.attach(segment_name, self._geometry.block_bytes, num_slots)
+        segment.populate_in_background()  # the first copies out of L2 run at memory speed
         blocks = slab_blocks(segment, self._geometry)
         self._block_copy.pin(blocks)
         self._retire()

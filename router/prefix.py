@@ -3,7 +3,9 @@ and lease what is in L2 for the worker.
 
     MatchPrefix(lease, prefetch) ──► L3 pages and a prefetch running? ──► wait per policy ──► MatchPrefix(lease) again
                                      no ─► dispatch with the L2 lease        wait_complete: until loaded (or deadline)
-                                                                              timeout: up to --prefetch-timeout-ms
+                                                                              timeout: up to --prefetch-timeout-ms,
+                                                                              then on while the rest loads sooner
+                                                                              than it recomputes (cost-aware)
                                                                               best_effort: not at all
 
 Each request waits on its own, so a request without disk pages never queues behind one that has them.
@@ -67,7 +69,7 @@ class PrefixMatcher:
             return Reuse(_lease(first))
         started = time.monotonic()
         try:
-            await self._wait(first.prefetch_id, self._wait_budget(deadline_s))
+            await self._wait(first.prefetch_id, self._wait_budget(deadline_s), deadline_s)
         finally:  # also when the client gives up while it waits
             self.release_soon(first.lease_id)
         waited = time.monotonic() - started
@@ -82,7 +84,7 @@ class PrefixMatcher:
     def _wait_budget(self, deadline_s: float | None) -> float:
         if self._policy is PrefetchPolicy.TIMEOUT:
             return self._prefetch_timeout_s
-        return min(deadline_s, WAIT_COMPLETE_CAP_S) if deadline_s is not None else WAIT_COMPLETE_CAP_S
+        return _capped(deadline_s)
 
     @staticmethod
     def _count_prefetch(l3_pages: int, loaded: int) -> None:
@@ -104,11 +106,16 @@ class PrefixMatcher:
                                                   prefetch=prefetch)
         return await self._call("match", self._stub.MatchPrefix, request, self._timeout_s)
 
-    async def _wait(self, prefetch_id: str, budget_s: float) -> None:
+    async def _wait(self, prefetch_id: str, budget_s: float, deadline_s: float | None) -> None:
+        """Waits for the prefetch: `budget_s`, and under the `timeout` policy on past it while kvcached predicts the
+        rest loads sooner than it would recompute (cost-aware), within the client's `deadline_s`."""
         metrics.prefetch_queue_size.inc()
+        cost_aware = self._policy is PrefetchPolicy.TIMEOUT
+        call_s = _capped(deadline_s) if cost_aware else budget_s + self._timeout_s
         try:
-            request = kvcache_pb2.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=int(budget_s * 1e3))
-            await self._call("wait_prefetch", self._stub.WaitPrefetch, request, budget_s + self._timeout_s)
+            request = kvcache_pb2.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=int(budget_s * 1e3),
+                                                      cost_aware=cost_aware)
+            await self._call("wait_prefetch", self._stub.WaitPrefetch, request, call_s)
         finally:
             metrics.prefetch_queue_size.dec()
 
@@ -127,6 +134,11 @@ class PrefixMatcher:
             log.warning("kvcached call failed; recomputing what it would have served",
                         extra={"op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
             return None
+
+
+def _capped(deadline_s: float | None) -> float:
+    """The client's remaining time, at most `WAIT_COMPLETE_CAP_S`."""
+    return min(deadline_s, WAIT_COMPLETE_CAP_S) if deadline_s is not None else WAIT_COMPLETE_CAP_S
 
 
 def _lease(match: kvcache_pb2.MatchPrefixResponse) -> worker_pb2.L2Lease | None:

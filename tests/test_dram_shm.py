@@ -189,3 +189,30 @@ def test_cleanup_asks_the_injected_liveness_check(fake_segments):
 
 def test_cleanup_without_shm_dir_is_a_no_op(tmp_path):
     assert cleanup_stale_segments(shm_dir=str(tmp_path / "missing")) == []
+
+
+def test_populating_faults_pages_in_without_changing_a_byte(pool):
+    """`SlabPool.create` already populates on a thread; a second pass, and one in a worker's mapping, keep every
+    byte written in between."""
+    (slot,) = pool.allocate(1)
+    pool.view(slot)[:4] = b"kv!!"
+    pool.set_key(slot, b"k" * 16)
+    assert pool.segment.populate()
+    attached = SlabSegment.attach(pool.name, pool.slot_bytes, pool.num_slots)
+    try:
+        assert attached.populate()
+        assert bytes(attached.view(slot)[:4]) == b"kv!!" and attached.header(slot).key == b"k" * 16
+        assert all(bytes(pool.view(other)) == bytes(pool.slot_bytes) for other in range(pool.num_slots) if other != slot)
+    finally:
+        attached.close()
+        pool.free([slot])
+
+
+def test_closing_while_populating_stops_it(monkeypatch):
+    monkeypatch.setattr("radixserve.blocks.slab.POPULATE_CHUNK_BYTES", 4096)  # many steps: close() lands mid-way
+    segment = SlabPool.create(new_segment_name(), 4096, 4096)  # 16 MiB
+    populating = segment.segment.populate_in_background()
+    segment.close()
+    populating.join(10)
+    assert not populating.is_alive()
+    segment.unlink()

@@ -16,8 +16,8 @@ from tests.stack import PAGE, ask, document, generate, kvcached_stats, router_st
 
 pytestmark = pytest.mark.e2e
 
-READ_DELAY_MS = 15  # per L3 block after the restart: ~25 pages load in ~0.4 s (batches of 8: 120 ms each), so the
-#                     200 ms timeout policy dispatches with part of them
+READ_DELAY_MS = 15  # per L3 block after the restart: ~25 pages load in ~0.4 s (batches of 8: 120 ms each), past
+#                     the 200 ms timeout policy's wait
 
 
 def disk_blocks(kvcached: str) -> int:
@@ -67,13 +67,15 @@ def test_warm_restart_serves_from_l3_with_equal_output(cluster):
     assert list(hit.token_ids) == list(answers["wait_complete"].token_ids)
 
 
-def test_timeout_policy_dispatches_at_the_timeout(cluster):
+def test_timeout_policy_waits_past_the_timeout_while_the_rest_loads_sooner_than_it_recomputes(cluster):
+    """~25 pages load in ~0.4 s, past the 200 ms timeout, and would recompute in 20 s: the cost-aware wait takes
+    them all. (Where recomputing is the sooner, the wait ends at the timeout: tests/test_kvcached_disk_service.py.)"""
     _, _, routers, prompts, answers, _ = cluster
-    partial = generate(routers["timeout"], prompts["timeout"])
-    full_pages = (partial.usage.prompt_tokens - 1) // PAGE
-    assert 180 <= partial.timings.prefetch_wait_ms < 600
-    assert 0 < partial.usage.cached_tokens_l3 < full_pages * PAGE
-    assert list(partial.token_ids) == list(answers["timeout"].token_ids)
+    loaded = generate(routers["timeout"], prompts["timeout"])
+    full_pages = (loaded.usage.prompt_tokens - 1) // PAGE
+    assert loaded.timings.prefetch_wait_ms >= 200
+    assert loaded.usage.cached_tokens_l3 == full_pages * PAGE
+    assert list(loaded.token_ids) == list(answers["timeout"].token_ids)
 
 
 def test_best_effort_does_not_wait(cluster):

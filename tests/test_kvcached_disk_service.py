@@ -99,3 +99,40 @@ def test_disk_tier_has_its_own_health_status(stack, tmp_path):
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def cold_prefetch(stack: Stack, tmp_path, disk, args: list[str], pages: int) -> tuple[kvcache_pb2_grpc.KVCacheStub,
+                                                                                         str]:
+    """A daemon started afresh on `disk` (L2 empty, L3 holding `pages` pages) and the id of a prefetch of them."""
+    stack.stop()
+    kv = start(stack, tmp_path, disk, *args)
+    kv.RegisterNamespace(pb.RegisterNamespaceRequest(model_fingerprint=FP, geometry=DAEMON_GEO.to_pb()))
+    match = kv.MatchPrefix(pb.MatchPrefixRequest(model_fingerprint=FP, token_ids=toks(*range(1, pages + 1)),
+                                                 prefetch=True))
+    assert match.matched_pages == 0 and match.l3_pages == pages and match.prefetch_id
+    return kv, match.prefetch_id
+
+
+def test_a_cost_aware_wait_outlasts_its_timeout_while_the_rest_loads_sooner_than_it_recomputes(stack, tmp_path):
+    """Pages that load in 5 ms each and would recompute in 40 ms: past a 60 ms timeout a plain wait returns with
+    the load half done, a cost-aware one waits for the rest."""
+    disk, pages = tmp_path / "l3", 48
+    args = ["--l3-read-delay-ms", "5", "--recompute-tokens-per-s", "100"]
+    write_blocks(start(stack, tmp_path, disk, *args), pages)
+    kv, prefetch_id = cold_prefetch(stack, tmp_path, disk, args, pages)
+    plain = kv.WaitPrefetch(pb.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=60))
+    assert not plain.done and plain.ready_pages < pages
+    kv, prefetch_id = cold_prefetch(stack, tmp_path, disk, args, pages)
+    patient = kv.WaitPrefetch(pb.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=60, cost_aware=True))
+    assert patient.done and patient.ready_pages == patient.total_pages == pages
+
+
+def test_a_cost_aware_wait_stops_at_its_timeout_when_recomputing_is_cheaper(stack, tmp_path):
+    """Pages that load in 5 ms each and recompute in 2 ms (a prefetch starts on its first guess of the disk's
+    speed; its first reads show it is slower than recomputing): the wait ends at its timeout."""
+    disk, pages = tmp_path / "l3", 48
+    args = ["--l3-read-delay-ms", "5", "--recompute-tokens-per-s", "2000"]
+    write_blocks(start(stack, tmp_path, disk, *args), pages)
+    kv, prefetch_id = cold_prefetch(stack, tmp_path, disk, args, pages)
+    waited = kv.WaitPrefetch(pb.WaitPrefetchRequest(prefetch_id=prefetch_id, timeout_ms=60, cost_aware=True))
+    assert not waited.done and waited.ready_pages < pages

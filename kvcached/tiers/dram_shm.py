@@ -41,7 +41,8 @@ class SlabPool:
 
     @classmethod
     def create(cls, name: str, slot_bytes: int, num_slots: int) -> SlabPool:
-        """Creates the segment, zero-filled, and owns it. Raises FileExistsError when `name` exists, ValueError for
+        """Creates the segment, zero-filled, and owns it; its pages are faulted in (and so committed) on a background
+        thread (`SlabSegment.populate`). Raises FileExistsError when `name` exists, ValueError for
         a bad geometry or one larger than the free space of /dev/shm.
 
         NOTE: the segment is sparse, so creating it always succeeds; a write past a full /dev/shm (64 MB by default
@@ -51,7 +52,9 @@ class SlabPool:
         size = segment_bytes(slot_bytes, num_slots)
         if os.path.isdir(SHM_DIR) and _free_bytes(SHM_DIR) < size:
             raise ValueError(f"{SHM_DIR} has {_free_bytes(SHM_DIR)} bytes free, the pool needs {size}")
-        return cls(SharedMemory(name, create=True, size=size), slot_bytes, num_slots)
+        pool = cls(SharedMemory(name, create=True, size=size), slot_bytes, num_slots)
+        pool.segment.populate_in_background()
+        return pool
 
     @property
     def name(self) -> str:

@@ -18,10 +18,12 @@ NOTE: on Linux a segment is a file in /dev/shm and outlives its processes until 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import struct
 import sys
+import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import NamedTuple
@@ -66,6 +68,7 @@ class SlabSegment:
         self.num_slots = num_slots
         self._shm = shm
         self._data = data_offset(num_slots)
+        self._closed = False
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, num_slots: int) -> SlabSegment:
@@ -101,9 +104,37 @@ class SlabSegment:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
         return slot
 
+    def populate(self) -> bool:
+        """Faults every page of this process's mapping in, writable, without changing a byte (Linux's
+        MADV_POPULATE_WRITE, 5.14+), so that the first copy into or out of a slot runs at memory speed: a first touch
+        costs a page fault per 4 KiB here, and reading L3 blocks into fresh slots ran at 0.4 GB/s against 2 GB/s into
+        touched ones. On the owner's side it also commits the pool's memory up front. Works in `POPULATE_CHUNK_BYTES`
+        steps with the GIL released (ctypes); False when the kernel cannot, or the segment was closed meanwhile."""
+        # The address, without keeping an export of the buffer (that would make close() fail).
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._shm.buf))
+        size = self._shm.size
+        for start in range(0, size, POPULATE_CHUNK_BYTES):
+            length = min(POPULATE_CHUNK_BYTES, size - start)
+            if self._closed or _libc.madvise(ctypes.c_void_p(address + start), length, _MADV_POPULATE_WRITE) != 0:
+                return False
+        return True
+
+    def populate_in_background(self) -> threading.Thread:
+        """`populate` on a daemon thread (a 4 GiB pool takes seconds): slots are usable meanwhile, only slower."""
+        thread = threading.Thread(target=self.populate, name=f"populate-{self.name}", daemon=True)
+        thread.start()
+        return thread
+
     def close(self) -> None:
         """Unmaps the segment from this process."""
+        self._closed = True
         self._shm.close()
+
+
+POPULATE_CHUNK_BYTES = 64 << 20  # per madvise call: a close() meanwhile stops `populate` within one chunk
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def new_segment_name(pid: int | None = None) -> str:
