@@ -14,6 +14,15 @@ Faults stay with the request that caused them: a batched forward that raises is 
 and a request whose own forward or sampling fails ends alone with finish_reason "error" (its `error` says why).
 The queue is bounded (`max_waiting_requests`, `max_waiting_tokens`): past it `add_request` raises `Overloaded`. If
 the step loop itself dies, `start`'s `on_death` runs, so the process can stop serving and exit.
+
+Constrained requests (`SamplingParams.constraint`) arrive with their grammar compiled (`Engine.grammars.compile`,
+off the step thread); each gets a matcher, the batch's bitmask masks their logits before sampling, and the matcher
+accepts every sampled token (the grammar allows EOS only where the output is complete). Logprobs are of the model's
+raw distribution (`model_worker.sampler`). A request with `prompt_logprobs` gets logits for every prompt position,
+so it neither reuses nor caches prefix pages: a cached page has no logits to score.
+
+    logits rows of one step, per chunk:  | scored prompt chunk: one per position | sampling chunk: its last | ...
+    row of position p scores token p + 1; the row of the prompt's last position samples the first output token
 """
 
 from __future__ import annotations
@@ -25,9 +34,10 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,15 +45,19 @@ from model_worker.attention import Chunk, select_backend
 from model_worker.block_copy import block_copy_for
 from model_worker.config import DType, EngineConfig
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
+from model_worker.grammar import Grammars, TokenMask, new_matcher
 from model_worker.kv_pool import KVPool, pages_for_budget
 from model_worker.kvcache_client import KVCacheClient
 from model_worker.loader import weights_digest
 from model_worker.model import CausalLM, cpu_supports_bf16, load_model, rope_tables
 from model_worker.prefix_cache import CacheRequest, CacheState, PrefixCache
-from model_worker.request import RequestOutput, SamplingParams
-from model_worker.sampler import SAMPLING_EPS, SamplingRow, make_generator, sample
+from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
+from model_worker.sampler import SAMPLING_EPS, SamplingRow, make_generator, sample, token_logprobs
 from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
 from radixserve.blocks.geometry import BlockGeometry
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("model_worker.engine")
 
@@ -91,6 +105,16 @@ def eos_ids(model_dir: Path, hf_config: object, tokenizer: object) -> tuple[int,
     return tuple(sorted(ids))
 
 
+def _scores_prompt(chunk: ScheduledChunk) -> bool:
+    return chunk.seq.sampling.prompt_logprobs and chunk.start < chunk.seq.prompt_len
+
+
+def _rows_of(chunk: ScheduledChunk) -> int:
+    """Logits rows `chunk` needs: one per position of a prompt chunk whose request scores its prompt, else one if it
+    samples."""
+    return chunk.length if _scores_prompt(chunk) else int(chunk.samples)
+
+
 class Engine:
     """Loads a model and serves requests; see the module docstring for the threading contract."""
 
@@ -115,6 +139,8 @@ class Engine:
         self.backend = backend
         self.info = self._make_info(model_dir, hf_config)
         self._eos = frozenset(self.info.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        self._mask = TokenMask(config.max_running_requests, self.info.vocab_size)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         block_copy = block_copy_for(self.device)
@@ -143,17 +169,22 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    on_output: Callable[[RequestOutput], None], cache: CacheRequest = CacheRequest()) -> None:
-        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id), and
-        `Overloaded` when the queue is full.
+                    on_output: Callable[[RequestOutput], None], cache: CacheRequest = CacheRequest(),
+                    grammar: CompiledGrammar | None = None) -> None:
+        """Queues a request; raises ValueError when it can never run (empty, too long, bad ids, duplicate id, a
+        constraint without its grammar), and `Overloaded` when the queue is full.
 
         `cache` says whether its prefix may be reused and cached, and carries its kvcached lease, which the
         engine releases in every case (used, unusable, refused, or the request aborted before it ran).
+        `grammar` is `self.grammars.compile(sampling.constraint)`, given exactly when there is a constraint.
         """
-        state = CacheState(cache)
+        state = CacheState(dataclasses.replace(cache, enabled=False) if sampling.prompt_logprobs else cache)
         with self._cond:
             try:
+                if (grammar is None) != (sampling.constraint is None):
+                    raise ValueError("a constrained request needs its compiled grammar, and only it has one")
                 seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, state)
+                seq.matcher = new_matcher(grammar) if grammar is not None else None
                 if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
                     raise ValueError(f"request id {request_id!r} is already running")
                 self._check_room(seq)
@@ -270,8 +301,7 @@ class Engine:
             seq.scheduled_at = seq.scheduled_at or now
             ids.extend(seq.token_ids[start:start + chunk.length])
             positions.extend(range(start, start + chunk.length))
-            if chunk.samples:
-                logits_rows.append(len(ids) - 1)
+            logits_rows.extend(range(len(ids) - _rows_of(chunk), len(ids)))
         meta = self.backend.prepare(
             [Chunk(self.pool.block_table(c.seq.request_id), c.start, c.length) for c in chunks])
 
@@ -281,23 +311,65 @@ class Engine:
         return tensor(ids), tensor(positions), meta, tensor(logits_rows)
 
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        sampling_chunks = [c for c in chunks if c.samples]
-        rows = [SamplingRow(c.seq.sampling.temperature, c.seq.sampling.top_k, c.seq.sampling.top_p,
-                            c.seq.generator) for c in sampling_chunks]
-        tokens = sample(logits, rows) if rows else []
+        """Scores prompt chunks that ask for it, samples, and advances every chunk's sequence (logits rows: module
+        docstring)."""
+        sampling_chunks, sampling_rows, first = [], [], 0
+        for chunk in chunks:
+            n = _rows_of(chunk)
+            if _scores_prompt(chunk) and n > chunk.samples and not chunk.seq.finished:
+                self._score_prompt(chunk, logits[first:first + n - chunk.samples])
+            if chunk.samples:
+                sampling_chunks.append(chunk)
+                sampling_rows.append(first + n - 1)
+            first += n
+        if len(sampling_rows) < len(logits):
+            logits = logits[sampling_rows]
+        tokens, logprobs = self._sample(sampling_chunks, logits) if sampling_chunks else ([], [])
         for chunk in chunks:
             seq = chunk.seq
             if not seq.finished:
                 seq.num_computed += chunk.length
                 if chunk.start < seq.prompt_len <= seq.num_computed:  # prefill done: cache the prompt's pages
                     self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
-        for chunk, token in zip(sampling_chunks, tokens):
+        for chunk, token, logprob in zip(sampling_chunks, tokens, logprobs):
             if chunk.seq.finished:
                 continue
             if token is None:
                 self._fail(chunk.seq, "sampling failed: the logits are not finite")
+            elif chunk.seq.matcher is not None and not chunk.seq.matcher.accept_token(token):
+                self._fail(chunk.seq, f"the grammar refused token {token}, which its mask allowed")
             else:
-                self._append_token(chunk.seq, token)
+                self._append_token(chunk.seq, token, logprob)
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor
+                ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """One token per row of `logits` (one row per chunk), masked by each constrained chunk's grammar; and its
+        logprob where asked. Modifies `logits`."""
+        rows = [SamplingRow(c.seq.sampling.temperature, c.seq.sampling.top_k, c.seq.sampling.top_p,
+                            c.seq.generator) for c in chunks]
+        asking = [i for i, c in enumerate(chunks) if c.seq.sampling.logprobs]
+        raw = torch.log_softmax(logits[asking], dim=-1) if asking else None  # a copy: the mask changes `logits`
+        constrained = [(i, c.seq.matcher) for i, c in enumerate(chunks) if c.seq.matcher is not None]
+        tokens = sample(logits, rows, (lambda masked: self._mask.apply(masked, constrained)) if constrained else None)
+        logprobs: list[TokenLogprob | None] = [None] * len(chunks)
+        known = [i for i in asking if tokens[i] is not None]
+        if known:
+            found = token_logprobs(raw[[asking.index(i) for i in known]], [tokens[i] for i in known],
+                                   [chunks[i].seq.sampling.top_logprobs for i in known])
+            for i, logprob in zip(known, found):
+                logprobs[i] = logprob
+        return tokens, logprobs
+
+    def _score_prompt(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Appends the logprobs of prompt tokens start+1 .. start+len(logits) to the sequence; a row that is not
+        finite fails the request."""
+        seq = chunk.seq
+        if not torch.isfinite(logits).all():
+            self._fail(seq, "prompt scoring failed: the logits are not finite")
+            return
+        scored = seq.token_ids[chunk.start + 1:chunk.start + 1 + len(logits)]
+        seq.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits, dim=-1), scored,
+                                                  [seq.sampling.top_logprobs] * len(scored)))
 
     def _fail(self, seq: Sequence, error: str) -> None:
         """Ends `seq` alone: its pages are freed and its last output says why (finish_reason "error")."""
@@ -305,7 +377,7 @@ class Engine:
         self.scheduler.finish(seq)
         self._emit(seq, [], "", "error", error)
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
         seq.first_token_at = seq.first_token_at or time.perf_counter()
         text, hit_stop = "", False
@@ -318,14 +390,17 @@ class Engine:
             text += seq.stop_filter.push(seq.detokenizer.flush())[0] + seq.stop_filter.flush()
         if finish is not None:
             self.scheduler.finish(seq)
-        self._emit(seq, [token], text, finish)
+        self._emit(seq, [token], text, finish, logprobs=() if logprob is None else (logprob,))
 
     def _is_eos(self, seq: Sequence, token: int) -> bool:
         return token in self._eos and not seq.sampling.ignore_eos
 
-    def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None, error: str | None = None) -> None:
-        timed = finish is not None or seq.num_output == 1
-        output = RequestOutput(seq.request_id, tuple(tokens), text, finish, error=error)
+    def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None, error: str | None = None,
+              logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        first = bool(tokens) and seq.num_output == 1
+        timed = finish is not None or first
+        output = RequestOutput(seq.request_id, tuple(tokens), text, finish, error=error, logprobs=logprobs,
+                               prompt_logprobs=tuple(seq.prompt_logprobs) if first else ())
         if timed:
             started = seq.scheduled_at or time.perf_counter()
             output = dataclasses.replace(
@@ -400,8 +475,9 @@ class Engine:
                     done.set()
 
         request_ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+        grammar = self.grammars.compile(sampling.constraint) if sampling.constraint else None
         for request_id, prompt in zip(request_ids, prompts):
-            self.add_request(request_id, prompt, sampling, collect)
+            self.add_request(request_id, prompt, sampling, collect, grammar=grammar)
         while not done.is_set():
             if self._thread is not None:
                 done.wait()

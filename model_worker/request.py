@@ -1,8 +1,38 @@
-"""What a request asks of the engine (`SamplingParams`) and what it gets back (`RequestOutput`)."""
+"""What a request asks of the engine (`SamplingParams`, with its optional `Constraint`) and what it gets back
+(`RequestOutput`, with `TokenLogprob`s when asked)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's and vLLM's default bound)
+
+
+class ConstraintKind(str, Enum):
+    REGEX = "regex"
+    JSON_SCHEMA = "json_schema"  # the schema as JSON text
+    GRAMMAR = "grammar"  # EBNF in xgrammar's (GBNF-like) dialect, rule `root` first
+    CHOICES = "choices"  # exactly one of a list of strings
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: `spec` is the text of a regex, schema or grammar, or the tuple of choices.
+    Hashable: compiled grammars are cached by it."""
+
+    kind: ConstraintKind
+    spec: str | tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its logprob under the model's raw distribution (before temperature, top-k/p and any grammar
+    mask), with the `top` most likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
 
 
 @dataclass(frozen=True)
@@ -16,6 +46,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    constraint: Constraint | None = None
+    logprobs: bool = False  # report each generated token's logprob
+    top_logprobs: int = 0  # and this many alternatives (for prompt tokens too)
+    prompt_logprobs: bool = False  # score every prompt token after the first; such a request reuses no cache
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # also refuses NaN, which compares false with everything
@@ -26,6 +60,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.constraint is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a constraint: the grammar decides where output ends")
 
 
 @dataclass(frozen=True)
@@ -41,3 +79,5 @@ class RequestOutput:
     cached_tokens_l1: int | None = None  # prompt tokens reused from the worker's own pool
     cached_tokens_l2: int | None = None  # prompt tokens copied out of kvcached's shared memory
     error: str | None = None  # with finish_reason "error": what failed for this request alone
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first token's output: prompt tokens 1..n-1, in order

@@ -3,15 +3,24 @@
 Every row is sampled on its own from its own `torch.Generator`, so a seeded request draws the same tokens whatever
 else shares its batch. Greedy rows (the common case) are one batched argmax. A temperature below `SAMPLING_EPS` is
 greedy: dividing by it would overflow float32 to inf and softmax to NaN. A row that cannot be sampled (logits not
-finite) fails alone: its token is None, and the rows beside it are unaffected.
+finite) fails alone: its token is None, and the rows beside it are unaffected. A constraint's `mask` runs after the
+finiteness check (it sets disallowed logits to -inf) and before any token is chosen, greedy or not.
+
+Logprobs (`token_logprobs`) are of the model's raw distribution, `log_softmax(logits)`, as vLLM reports by default
+(`logprobs_mode="raw_logprobs"`): before temperature, top-k and top-p. They are also before the grammar mask (where
+vLLM, which masks before its sampler, reports -inf for masked tokens), so a constrained output's logprobs are what
+scoring the same tokens as a prompt gives.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from model_worker.request import TokenLogprob
 
 SAMPLING_EPS = 1e-5  # below this temperature sampling is greedy (vLLM uses the same threshold)
 
@@ -37,10 +46,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int | None]:
-    """One token id per row of `logits` [len(rows), vocab] (float32); None for a row whose logits are not finite."""
-    tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, rows: list[SamplingRow], mask: Callable[[torch.Tensor], None] | None = None
+           ) -> list[int | None]:
+    """One token id per row of `logits` [len(rows), vocab] (float32); None for a row whose logits are not finite.
+    `mask`, when given, restricts `logits` in place (disallowed tokens to -inf) before tokens are drawn."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
+    if mask is not None:
+        mask(logits)
+    tokens: list[int | None] = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
         if not finite[i]:
             tokens[i] = None
@@ -61,3 +74,14 @@ def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
         probs = probs.masked_fill(outside, 0.0)
     choice = torch.multinomial(probs, 1, generator=row.generator)
     return int(order[choice])
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Row i of `logprobs` [N, vocab] (log_softmax of the logits): the logprob of `token_ids[i]` and the `tops[i]`
+    most likely tokens."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = max(tops, default=0)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(token, logprob, tuple(zip(ids[i][:top], values[i][:top])))
+            for i, (token, logprob, top) in enumerate(zip(token_ids, chosen, tops))]

@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import KVPool, pages_for_tokens
 from model_worker.prefix_cache import CacheState, PrefixCache
-from model_worker.request import RequestOutput, SamplingParams
+from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -50,6 +54,8 @@ class Sequence:
     first_token_at: float | None = None
     num_computed: int = 0  # tokens whose K/V are in the pool
     finished: bool = False
+    matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
 
     @property
     def num_output(self) -> int:

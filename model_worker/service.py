@@ -1,15 +1,19 @@
-"""gRPC glue for the worker: translates `radixserve.v1.Worker` calls to `Engine` calls and back. No logic here."""
+"""gRPC glue for the worker: translates `radixserve.v1.Worker` calls to `Engine` calls and back. No logic here,
+except where work happens: a constraint compiles on the service's one compiling thread, never on the event loop
+or the engine's step thread, before the request is queued."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from xgrammar import CompiledGrammar
 
 from model_worker.engine import Engine, Overloaded
 from model_worker.prefix_cache import CacheRequest, L2Lease
-from model_worker.request import RequestOutput, SamplingParams
+from model_worker.request import Constraint, ConstraintKind, RequestOutput, SamplingParams, TokenLogprob
 from radixserve.server import ServiceError
 from radixserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -19,8 +23,27 @@ OVERLOAD_RETRY_S = 1.0  # about one long prefill here: the queue has moved by th
 
 
 def sampling_from_pb(s: worker_pb2.ResolvedSampling) -> SamplingParams:
+    """Raises ValueError for values the engine refuses (the router checks them first)."""
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                          stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos)
+                          stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos,
+                          constraint=constraint_from_pb(s), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                          prompt_logprobs=s.prompt_logprobs)
+
+
+def constraint_from_pb(s: worker_pb2.ResolvedSampling) -> Constraint | None:
+    """Raises ValueError when more than one constraint is set."""
+    given = [Constraint(kind, getattr(s, kind.value)) for kind in ConstraintKind
+             if kind is not ConstraintKind.CHOICES and s.HasField(kind.value)]
+    if s.choices:
+        given.append(Constraint(ConstraintKind.CHOICES, tuple(s.choices)))
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint may be set; got {', '.join(c.kind.value for c in given)}")
+    return given[0] if given else None
+
+
+def logprobs_to_pb(logprobs: tuple[TokenLogprob, ...]) -> list[router_pb2.TokenLogprobs]:
+    return [router_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=[
+        router_pb2.Logprob(token_id=token, logprob=logprob) for token, logprob in lp.top]) for lp in logprobs]
 
 
 def cache_from_pb(request: worker_pb2.WorkerGenerateRequest) -> CacheRequest:
@@ -34,7 +57,8 @@ def output_to_pb(out: RequestOutput) -> worker_pb2.WorkerGenerateResponse:
     return worker_pb2.WorkerGenerateResponse(
         text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason or "",
         cached_tokens_l1=out.cached_tokens_l1 or 0, cached_tokens_l2=out.cached_tokens_l2 or 0,
-        queue_ms=out.queue_ms or 0.0, prefill_ms=out.prefill_ms or 0.0)
+        queue_ms=out.queue_ms or 0.0, prefill_ms=out.prefill_ms or 0.0, logprobs=logprobs_to_pb(out.logprobs),
+        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -44,15 +68,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self._model_path = model_path
         self._max_running = max_running_requests
+        # One thread: compilations queue behind each other (the engine's grammar cache serializes them anyway) and
+        # take at most one core from the engine.
+        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
             cache = cache_from_pb(request)  # a malformed lease is not trusted even to be released
-            sampling = self._sampling(request, cache)
+            sampling, grammar = await self._prepare(request, cache)
             self._engine.add_request(request.request_id, list(request.prompt_ids), sampling,
-                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), cache)
+                                     lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), cache, grammar)
         except ValueError as e:  # add_request released the lease of what it refused
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Overloaded as e:
@@ -70,10 +97,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:
                 self._engine.abort(request.request_id)
 
-    def _sampling(self, request: worker_pb2.WorkerGenerateRequest, cache: CacheRequest) -> SamplingParams:
+    async def _prepare(self, request: worker_pb2.WorkerGenerateRequest, cache: CacheRequest
+                       ) -> tuple[SamplingParams, CompiledGrammar | None]:
+        """The request's sampling and its compiled constraint; a refusal (ValueError) or a cancellation while
+        compiling releases the request's lease."""
         try:
-            return sampling_from_pb(request.sampling)
-        except ValueError:
+            sampling = sampling_from_pb(request.sampling)
+            if sampling.constraint is None:
+                return sampling, None
+            loop = asyncio.get_running_loop()
+            return sampling, await loop.run_in_executor(self._compiling, self._engine.grammars.compile,
+                                                        sampling.constraint)
+        except BaseException:
             self._engine.discard(cache)
             raise
 

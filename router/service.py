@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import grpc
 
@@ -154,6 +154,16 @@ class Router:
         """The token ids `generate` would compute for the same text or messages."""
         return await self._prompt_ids(request)
 
+    async def token_strings(self, ids: Collection[int]) -> dict[int, tuple[str, bytes]]:
+        """Each token's text and bytes (`PromptTokenizer.token_strings`), to render logprobs; on the short
+        tokenizing thread (a tokenizer is not safe for concurrent calls), which a handful of ids holds briefly."""
+        if not ids:
+            return {}
+        ids = list(ids)
+        executor, tokenizer = self._tokenizers.lane(0)
+        return dict(zip(ids, await asyncio.get_running_loop().run_in_executor(executor, tokenizer.token_strings, ids),
+                        strict=True))
+
     async def _prompt_ids(self, request: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
         """`prompt_ids` on the tokenizing thread of the request's size (`TokenizerLanes`: a long prompt never stalls
         the event loop or a short one); its INVALID_ARGUMENT errors propagate as they are."""
@@ -228,6 +238,8 @@ class _Run:
         self.first_token_at: float | None = None
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[router_pb2.TokenLogprobs] = []  # what the worker sent, when asked: passed on as is
+        self.prompt_logprobs: list[router_pb2.TokenLogprobs] = []
         self.completion_tokens = 0
         self.outputs = 0  # messages from the worker
         self.finish_reason = ""
@@ -242,6 +254,8 @@ class _Run:
             self.ticket.done()  # running now: it no longer counts against the router's admission bounds
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.prompt_logprobs.extend(out.prompt_logprobs)
         self.completion_tokens += len(out.token_ids)
         self.finish_reason = out.finish_reason
         return out
@@ -253,8 +267,9 @@ class _Run:
     def flush(self, last: worker_pb2.WorkerGenerateResponse) -> router_pb2.GenerateResponse:
         """Everything gathered since the previous flush; the final one carries usage and timings."""
         response = router_pb2.GenerateResponse(request_id=self.request_id, text="".join(self.text),
-                                               token_ids=self.token_ids, finish_reason=last.finish_reason)
-        self.text, self.token_ids = [], []
+                                               token_ids=self.token_ids, finish_reason=last.finish_reason,
+                                               logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        self.text, self.token_ids, self.logprobs, self.prompt_logprobs = [], [], [], []
         if last.finish_reason:
             self._finish(response, last)
         return response

@@ -25,6 +25,10 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # NaN. The worker's sampler and vLLM use the same threshold; clients send 1e-9 and the like to mean "deterministic".
 GREEDY_BELOW = 1e-5
 MAX_ID_CHARS = 256  # cache_salt and request_id: identifiers (a tenant, a trace id), logged and kept per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's and vLLM's bound (the worker's own limit too)
+MAX_CONSTRAINT_CHARS = 65_536  # a regex, schema or grammar, or all choices together: compiling is bounded by it
+MAX_CHOICES = 256
+CONSTRAINTS = ("regex", "json_schema", "grammar", "choices")
 ECHO_CHARS = 40  # of a refused value quoted back in the message
 
 
@@ -113,10 +117,47 @@ def resolve_sampling(sampling: router_pb2.SamplingParams, prompt_len: int, limit
         raise invalid(f"prompt ({prompt_len} tokens) + sampling.max_new_tokens ({max_new}) exceeds the model "
                       f"context of {limits.max_context} tokens")
     _check_stop(sampling.stop, limits)
+    constraint = _checked_constraint(sampling)
+    if constraint and sampling.ignore_eos:
+        raise invalid(f"sampling.ignore_eos cannot be combined with sampling.{constraint}: the constraint decides "
+                      "where the output ends")
+    _check_logprobs(sampling)
     return worker_pb2.ResolvedSampling(
         temperature=temperature if temperature >= GREEDY_BELOW else 0.0, top_p=top_p, top_k=sampling.top_k,
         max_new_tokens=max_new, stop=sampling.stop, seed=sampling.seed if sampling.HasField("seed") else None,
-        ignore_eos=sampling.ignore_eos)
+        ignore_eos=sampling.ignore_eos,
+        regex=sampling.regex if sampling.HasField("regex") else None,
+        json_schema=sampling.json_schema if sampling.HasField("json_schema") else None,
+        grammar=sampling.grammar if sampling.HasField("grammar") else None, choices=sampling.choices,
+        logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs)
+
+
+def _checked_constraint(sampling: router_pb2.SamplingParams) -> str | None:
+    """The name of the one constraint set (None: unconstrained), after its size limits; whether it compiles is the
+    worker's to say."""
+    given = [name for name in CONSTRAINTS[:3] if sampling.HasField(name)] + (["choices"] if sampling.choices else [])
+    if len(given) > 1:
+        raise invalid(f"at most one of sampling.{', sampling.'.join(CONSTRAINTS)} may be set; got {', '.join(given)}")
+    if not given:
+        return None
+    (name,) = given
+    texts = list(sampling.choices) if name == "choices" else [getattr(sampling, name)]
+    if len(texts) > MAX_CHOICES:
+        raise invalid(f"sampling.choices has {len(texts)} strings; the limit is {MAX_CHOICES}")
+    if not all(texts):
+        raise invalid(f"sampling.{name} must not be empty" if name != "choices" else
+                      "sampling.choices strings must not be empty")
+    chars = sum(map(len, texts))
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise invalid(f"sampling.{name} is {chars} characters; the limit is {MAX_CONSTRAINT_CHARS}")
+    return name
+
+
+def _check_logprobs(sampling: router_pb2.SamplingParams) -> None:
+    if sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        raise invalid(f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {sampling.top_logprobs}")
+    if sampling.top_logprobs and not (sampling.logprobs or sampling.prompt_logprobs):
+        raise invalid("sampling.top_logprobs needs sampling.logprobs or sampling.prompt_logprobs")
 
 
 def _check_stop(stop: Sequence[str], limits: Limits) -> None:

@@ -79,11 +79,11 @@ class RunningStack:
         return worker_stub(self.worker_address)
 
 
-def start_stack(log_dir: Path, router_args: list[str] = ()) -> RunningStack:
+def start_stack(log_dir: Path, router_args: list[str] = (), worker_args: list[str] = ()) -> RunningStack:
     services = LocalServices(log_dir)
     try:
         kvcached = services.kvcached()
-        worker = services.worker(kvcached)
+        worker = services.worker(kvcached, args=worker_args)
         http_port = free_port()
         router = services.router([worker], kvcached, args=router_args, http_port=http_port)
         return RunningStack(services, kvcached, worker, router, f"http://127.0.0.1:{http_port}")
