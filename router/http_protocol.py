@@ -6,10 +6,15 @@ responses in that API's shape. A parser checks only what JSON adds: that the bod
 and that integers fit their proto fields. Every value the router checks (the prompt, ranges, limits) is left to its
 validation, so HTTP and gRPC refuse the same requests with the same messages.
 
-Fields the engine cannot honour yet (n > 1, logprobs, response_format, penalties, ...) are in one table per API,
+Fields the engine cannot honour yet (n > 1, penalties, tools, ...) are in one table per API,
 `*_NOT_YET`: null or a value that asks for nothing passes, anything else is a 400 `unsupported_parameter` naming the
 field. Supporting one is deleting its row and translating it in the parser. Any other field is ignored, as vLLM and
 SGLang do: clients send their own defaults of fields we have never heard of.
+
+Constraints (`response_format`, vLLM's `guided_*`, SGLang's `json_schema`/`regex`/`ebnf`) map to the router's one
+constraint per request; two at once are a 400 naming the HTTP fields. Logprobs render in each API's shape from the
+responses' `logprobs` (every generated token, the end-of-sequence token that ends the output too, as vLLM does) and
+each token's text and bytes (`TokenStrings`, which the server looks up for `logprob_token_ids`).
 
 Errors are `HttpError`s; `http_error` maps the router's `ServiceError`s (gRPC statuses) to HTTP, with the fields
 its message names renamed to the API's (`FieldNames`). Their body is OpenAI's
@@ -18,10 +23,11 @@ its message names renamed to the API's (`FieldNames`). Their body is OpenAI's
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +39,9 @@ from router.validation import ECHO_CHARS
 
 UINT32 = 2**32
 UINT64 = 2**64
+
+# A token id's text alone and its bytes (`router.service.Router.token_strings`).
+TokenStrings = Mapping[int, tuple[str, bytes]]
 
 # The router's statuses as HTTP statuses, and the code in the error body; any other (INTERNAL) is 500. A CANCELLED
 # that reaches a client came from a worker (say, draining): the client did not cancel, so it is "try again".
@@ -72,6 +81,10 @@ class FieldNames:
         longest_first = sorted(names, key=len, reverse=True)
         # A name is a whole word: "text" is renamed, "context" is not; "sampling.stop" is, in "sampling.stop[0]" too.
         self._pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, longest_first)) + r")(?!\w)")
+
+    def adding(self, names: Mapping[str, str]) -> FieldNames:
+        """These names and `names` (say, the one HTTP field a request set its constraint with)."""
+        return FieldNames({**self._names, **names}) if names else self
 
     def translate(self, message: str) -> tuple[str, str | None]:
         """The message in the API's names, and the first field it names (None: none)."""
@@ -128,13 +141,19 @@ def parse_timeout(header: str | None) -> float | None:
 
 class Answer(Protocol):
     """Renders one request's responses: `whole` the single response of an unstreamed request, `events` each
-    response of a streamed one (zero or more server-sent events; the server ends the stream with `[DONE]`)."""
+    response of a streamed one (zero or more server-sent events; the server ends the stream with `[DONE]`).
+    `strings` holds at least the response's `logprob_token_ids`."""
 
     stream: bool
 
-    def whole(self, response: router_pb2.GenerateResponse) -> dict: ...
+    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict: ...
 
-    def events(self, response: router_pb2.GenerateResponse) -> list[dict]: ...
+    def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]: ...
+
+
+def logprob_token_ids(response: router_pb2.GenerateResponse) -> set[int]:
+    """The tokens whose text rendering `response`'s logprobs needs: each chosen one and its alternatives."""
+    return {t.token_id for entry in response.logprobs for t in (entry, *entry.top)}
 
 
 @dataclass(frozen=True)
@@ -146,13 +165,16 @@ class Call:
 
 NO_NAMES = FieldNames({})
 _OPENAI_SAMPLING = {f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "stop", "seed")}
-CHAT_NAMES = FieldNames({**_OPENAI_SAMPLING, "sampling.max_new_tokens": "max_tokens", "request_id": "X-Request-Id"})
+CHAT_NAMES = FieldNames({**_OPENAI_SAMPLING, "sampling.max_new_tokens": "max_tokens", "request_id": "X-Request-Id",
+                         "sampling.logprobs": "logprobs", "sampling.top_logprobs": "top_logprobs"})
 COMPLETION_NAMES = FieldNames({**_OPENAI_SAMPLING, "sampling.max_new_tokens": "max_tokens", "text": "prompt",
-                               "token_ids": "prompt", "request_id": "X-Request-Id"})
+                               "token_ids": "prompt", "request_id": "X-Request-Id",
+                               "sampling.top_logprobs": "logprobs"})
 _SGLANG_SAMPLING = {f"sampling.{name}": f"sampling_params.{name}"
                     for name in ("temperature", "top_p", "top_k", "stop", "max_new_tokens")}
 SGLANG_NAMES = FieldNames({**_SGLANG_SAMPLING, "sampling.seed": "sampling_params.sampling_seed",
-                           "token_ids": "input_ids", "request_id": "rid"})
+                           "token_ids": "input_ids", "request_id": "rid", "sampling.logprobs": "return_logprob",
+                           "sampling.top_logprobs": "top_logprobs_num"})
 
 
 class _Fields:
@@ -275,14 +297,73 @@ def _check_model(fields: _Fields, served: str) -> None:
                         "model_not_found")
 
 
-def _sampling(fields: _Fields, max_tokens: int | None, seed_field: str) -> router_pb2.SamplingParams:
-    """The sampling fields every API shares (the seed under its own name); unset stays unset (the router's
-    defaults)."""
+def _sampling(fields: _Fields, max_tokens: int | None, seed_field: str, **more: Any) -> router_pb2.SamplingParams:
+    """The sampling fields every API shares (the seed under its own name), and `more` (each API's constraint and
+    logprobs); unset stays unset (the router's defaults)."""
     off = fields.raw("top_k") == -1 and isinstance(fields.raw("top_k"), int)  # "off" in vLLM and SGLang
     return router_pb2.SamplingParams(
         temperature=fields.number("temperature"), top_p=fields.number("top_p"), max_new_tokens=max_tokens,
         top_k=None if off else fields.integer("top_k", UINT32), stop=fields.strings("stop"),
-        seed=fields.integer(seed_field, UINT64), ignore_eos=fields.boolean("ignore_eos"))
+        seed=fields.integer(seed_field, UINT64), ignore_eos=fields.boolean("ignore_eos"), **more)
+
+
+# A constraint as a request can set it: (the HTTP field, the router's SamplingParams field, the value; None: unset).
+Constraint = tuple[str, str, Any]
+JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+
+
+def _one_constraint(given: Sequence[Constraint], names: FieldNames) -> tuple[dict, FieldNames]:
+    """The SamplingParams fields of the one constraint set among `given` (none: {}), and `names` with the router's
+    name for it renamed to the HTTP field (its spec's compile errors name what the client sent); 400 for two."""
+    chosen = [(field, target, value) for field, target, value in given if value is not None]
+    if len(chosen) > 1:
+        raise invalid(f"at most one of {', '.join(field for field, _, _ in given)} may be set; got "
+                      f"{', '.join(field for field, _, _ in chosen)}", chosen[1][0])
+    if not chosen:
+        return {}, names
+    field, target, value = chosen[0]
+    return {target: value}, names.adding({f"sampling.{target}": field})
+
+
+def _openai_constraints(fields: _Fields) -> list[Constraint]:
+    """`response_format`, and vLLM's `guided_json` (a schema, as an object or JSON text), `guided_regex`,
+    `guided_choice` and `guided_grammar`."""
+    return [("response_format", "json_schema", _response_format(fields)),
+            ("guided_json", "json_schema", _schema(fields, "guided_json")),
+            ("guided_regex", "regex", fields.string("guided_regex")),
+            ("guided_choice", "choices", fields.strings("guided_choice") or None),
+            ("guided_grammar", "grammar", fields.string("guided_grammar"))]
+
+
+def _response_format(fields: _Fields) -> str | None:
+    """OpenAI's `response_format` as a JSON schema: `text` none, `json_object` any object, `json_schema` its
+    `json_schema.schema` (`name` and `strict` change nothing: the output always matches)."""
+    if fields.raw("response_format") is None:
+        return None
+    form = fields.nested("response_format")
+    kind = form.string("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema":
+        spec = form.nested("json_schema")
+        if spec.raw("schema") is None:
+            raise invalid(f"{spec.name('schema')} is required", spec.name("schema"))
+        return _schema(spec, "schema")
+    raise invalid(f"{form.name('type')} must be one of text, json_object, json_schema, not "
+                  f"{_cut(json.dumps(kind))}", form.name("type"))
+
+
+def _schema(fields: _Fields, field: str) -> str | None:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    value = fields.raw(field)
+    if value is None or isinstance(value, str):
+        return fields.string(field)
+    if not isinstance(value, dict):
+        raise invalid(f"{fields.name(field)} must be a JSON schema (an object) or its JSON text, not "
+                      f"{_json_type(value)}", fields.name(field))
+    return json.dumps(value)
 
 
 def _openai_common(fields: _Fields, served: str) -> tuple[str, bool, bool]:
@@ -299,14 +380,12 @@ def _openai_common(fields: _Fields, served: str) -> tuple[str, bool, bool]:
 # Fields OpenAI defines that the engine cannot honour yet, with the values that ask for nothing (see the module
 # docstring). Penalties and logit_bias are sampling features the worker lacks; tools need a parser of tool calls.
 _PENALTIES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},)}
-CHAT_NOT_YET = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-                "tools": ([],), "functions": ([],), **_PENALTIES}
-COMPLETION_NOT_YET = {"n": (1,), "best_of": (1,), "logprobs": (), "echo": (False,), "suffix": ("",), **_PENALTIES}
-SGLANG_NOT_YET = {"return_logprob": (False,), "top_logprobs_num": (0,), "image_data": (), "input_embeds": (),
-                  "lora_path": ()}
+CHAT_NOT_YET = {"n": (1,), "tools": ([],), "functions": ([],), **_PENALTIES}
+COMPLETION_NOT_YET = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), **_PENALTIES}
+SGLANG_NOT_YET = {"image_data": (), "input_embeds": (), "lora_path": ()}
 SGLANG_SAMPLING_NOT_YET = {"n": (1,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
                            "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "min_p": (0, 0.0),
-                           "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "stop_token_ids": ([],)}
+                           "structural_tag": (), "stop_token_ids": ([],)}
 
 
 def parse_chat(body: Any, served: str, created: int) -> Call:
@@ -317,9 +396,14 @@ def parse_chat(body: Any, served: str, created: int) -> Call:
     max_tokens = fields.integer("max_completion_tokens", UINT32)
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", UINT32)
+    constraint, names = _one_constraint(_openai_constraints(fields), CHAT_NAMES)
+    logprobs = fields.boolean("logprobs")
+    sampling = _sampling(fields, max_tokens, "seed", logprobs=logprobs,
+                         top_logprobs=fields.integer("top_logprobs", UINT32), **constraint)
     request = router_pb2.GenerateRequest(messages=_messages(fields.raw("messages")), stream=stream, cache_salt=salt,
-                                         sampling=_sampling(fields, max_tokens, "seed"))
-    return Call(request, OpenAIAnswer(served, created, stream, include_usage, chat=True), CHAT_NAMES)
+                                         sampling=sampling)
+    return Call(request, OpenAIAnswer(served, created, stream, include_usage, chat=True, logprobs=bool(logprobs)),
+                names)
 
 
 def _messages(value: Any) -> list[router_pb2.ChatMessage]:
@@ -353,16 +437,21 @@ def _content(value: Any, name: str) -> str:
 
 
 def parse_completion(body: Any, served: str, created: int) -> Call:
-    """`POST /v1/completions`: a prompt as text or token ids, without a chat template."""
+    """`POST /v1/completions`: a prompt as text or token ids, without a chat template. `logprobs` is the legacy
+    integer: that many alternatives per token (0: the chosen token's logprob only)."""
     fields = _Fields(body, "")
     fields.refuse_not_yet(COMPLETION_NOT_YET)
     salt, stream, include_usage = _openai_common(fields, served)
     if fields.raw("prompt") is None:
         raise invalid("prompt is required", "prompt")
+    constraint, names = _one_constraint(_openai_constraints(fields), COMPLETION_NAMES)
+    top = fields.integer("logprobs", UINT32)
     request = router_pb2.GenerateRequest(stream=stream, cache_salt=salt, sampling=_sampling(
-        fields, fields.integer("max_tokens", UINT32), "seed"))
+        fields, fields.integer("max_tokens", UINT32), "seed", logprobs=top is not None or None, top_logprobs=top,
+        **constraint))
     _set_prompt(request, _one_prompt(fields.raw("prompt"), "prompt"), "prompt")
-    return Call(request, OpenAIAnswer(served, created, stream, include_usage, chat=False), COMPLETION_NAMES)
+    return Call(request, OpenAIAnswer(served, created, stream, include_usage, chat=False, logprobs=top is not None),
+                names)
 
 
 def _one_prompt(value: Any, name: str) -> Any:
@@ -388,21 +477,29 @@ def _set_prompt(request: router_pb2.GenerateRequest, prompt: Any, name: str) -> 
 
 
 def parse_sglang(body: Any, served: str, created: int) -> Call:
-    """SGLang's native `POST /generate`: `text` or `input_ids` (one prompt, no chat template), `sampling_params`,
-    `stream`, `rid`. There is no `model` field."""
+    """SGLang's native `POST /generate`: `text` or `input_ids` (one prompt, no chat template), `sampling_params`
+    (with its `json_schema` text, `regex` or `ebnf` grammar), `stream`, `rid`, `return_logprob` with
+    `top_logprobs_num` and `return_text_in_logprobs`. There is no `model` field."""
     fields = _Fields(body, "")
     fields.refuse_not_yet(SGLANG_NOT_YET)
     sampling = fields.nested("sampling_params")
     sampling.refuse_not_yet(SGLANG_SAMPLING_NOT_YET)
     stream = bool(fields.boolean("stream"))
+    constraint, names = _one_constraint([(sampling.name(field), target, sampling.string(field)) for field, target
+                                         in (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "grammar"))],
+                                        SGLANG_NAMES)
+    logprobs, top = fields.boolean("return_logprob"), fields.integer("top_logprobs_num", UINT32)
     request = router_pb2.GenerateRequest(
         stream=stream, cache_salt=fields.string("cache_salt") or "", request_id=fields.string("rid") or "",
-        sampling=_sampling(sampling, sampling.integer("max_new_tokens", UINT32), "sampling_seed"))
+        sampling=_sampling(sampling, sampling.integer("max_new_tokens", UINT32), "sampling_seed", logprobs=logprobs,
+                           top_logprobs=top, **constraint))
     given = [name for name in ("text", "input_ids") if fields.raw(name) is not None]
     if len(given) != 1:
         raise invalid(f"exactly one of text, input_ids must be set; got {', '.join(given) or 'none'}")
     _set_prompt(request, _one_prompt(fields.raw(given[0]), given[0]), given[0])
-    return Call(request, SGLangAnswer(stream), SGLANG_NAMES)
+    answer = SGLangAnswer(stream, logprobs=bool(logprobs), top=bool(top),
+                          with_text=bool(fields.boolean("return_text_in_logprobs")))
+    return Call(request, answer, names)
 
 
 def _usage(usage: router_pb2.Usage) -> dict:
@@ -412,30 +509,51 @@ def _usage(usage: router_pb2.Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+# The floor of a rendered logprob (-inf is not JSON), as OpenAI and vLLM report "very unlikely".
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(scored: router_pb2.Logprob | router_pb2.TokenLogprobs) -> float:
+    return max(scored.logprob, MIN_LOGPROB)
+
+
 class OpenAIAnswer:
     """Chat (`chat.completion`, `message`/`delta`) or text (`text_completion`, `text`) completions. A stream sends
     the assistant role with the first delta, `finish_reason` with the last, and with `include_usage` a `usage`
-    field on every chunk (null) and a last chunk without choices that carries it."""
+    field on every chunk (null) and a last chunk without choices that carries it.
 
-    def __init__(self, model: str, created: int, stream: bool, include_usage: bool, chat: bool):
+    With `logprobs`, a choice's `logprobs` are chat's `{"content": [{token, logprob, bytes, top_logprobs}]}` or
+    the legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (offsets into the
+    completion's text); a chunk carries its own tokens', and those of tokens that completed no character before it."""
+
+    def __init__(self, model: str, created: int, stream: bool, include_usage: bool, chat: bool, logprobs: bool):
         self.stream = stream
         self._model = model
         self._created = created
         self._include_usage = include_usage
         self._chat = chat
+        self._logprobs = logprobs
         self._object = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         self._role_sent = False
+        self._pending: list[router_pb2.TokenLogprobs] = []  # tokens of responses that sent no chunk yet
+        self._pending_strings: dict[int, tuple[str, bytes]] = {}
+        self._offset = 0  # the legacy text_offset of the next token
 
-    def whole(self, response: router_pb2.GenerateResponse) -> dict:
+    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict:
         text = {"message": {"role": "assistant", "content": response.text}} if self._chat else {"text": response.text}
-        return {**self._head(response), "choices": [{"index": 0, **text, "logprobs": None,
+        return {**self._head(response), "choices": [{"index": 0, **text,
+                                                     "logprobs": self._render(response.logprobs, strings),
                                                      "finish_reason": response.finish_reason}],
                 "usage": _usage(response.usage)}
 
-    def events(self, response: router_pb2.GenerateResponse) -> list[dict]:
+    def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]:
+        self._pending.extend(response.logprobs)
+        self._pending_strings.update(strings)
         if not (response.text or response.finish_reason):
             return []  # a token that completes no character yet
-        choice = {"index": 0, **self._delta(response.text), "logprobs": None,
+        logprobs = self._render(self._pending, self._pending_strings)
+        self._pending, self._pending_strings = [], {}
+        choice = {"index": 0, **self._delta(response.text), "logprobs": logprobs,
                   "finish_reason": response.finish_reason or None}
         events = [{**self._head(response), "choices": [choice]}]
         if self._include_usage:
@@ -443,6 +561,19 @@ class OpenAIAnswer:
             if response.finish_reason:
                 events.append({**self._head(response), "choices": [], "usage": _usage(response.usage)})
         return events
+
+    def _render(self, entries: Sequence[router_pb2.TokenLogprobs], strings: TokenStrings) -> dict | None:
+        if not self._logprobs:
+            return None
+        if self._chat:
+            return {"content": [{**_chat_token(e, strings), "top_logprobs": [_chat_token(t, strings) for t in e.top]}
+                                for e in entries]}
+        tokens = [strings[e.token_id][0] for e in entries]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offset))
+        self._offset = offsets[-1]
+        return {"tokens": tokens, "token_logprobs": [_logprob(e) for e in entries],
+                "top_logprobs": [{strings[t.token_id][0]: _logprob(t) for t in (e, *e.top)} for e in entries],
+                "text_offset": offsets[:-1]}
 
     def _delta(self, text: str) -> dict:
         if not self._chat:
@@ -457,27 +588,54 @@ class OpenAIAnswer:
                 "model": self._model}
 
 
+def _chat_token(scored: router_pb2.Logprob | router_pb2.TokenLogprobs, strings: TokenStrings) -> dict:
+    text, raw = strings[scored.token_id]
+    return {"token": text, "logprob": _logprob(scored), "bytes": list(raw)}
+
+
 class SGLangAnswer:
     """SGLang's `{"text", "output_ids", "meta_info"}`. Streamed, every event carries the whole output so far (as
     SGLang does unless started with --incremental-streaming-output) and `meta_info.finish_reason` is null until the
-    last; prompt and cached token counts and `e2e_latency` (seconds) are known on the last only."""
+    last; prompt and cached token counts and `e2e_latency` (seconds) are known on the last only.
 
-    def __init__(self, stream: bool):
+    With `logprobs`, `meta_info.output_token_logprobs` is `[logprob, token_id, text]` per token, and with `top`
+    `output_top_logprobs` such a list per token; the text is null unless `with_text` (return_text_in_logprobs)."""
+
+    def __init__(self, stream: bool, logprobs: bool, top: bool, with_text: bool):
         self.stream = stream
+        self._logprobs = logprobs
+        self._top = top
+        self._with_text = with_text
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._token_logprobs: list[list] = []
+        self._top_logprobs: list[list[list]] = []
 
-    def whole(self, response: router_pb2.GenerateResponse) -> dict:
-        return self._render(response.text, list(response.token_ids), response)
+    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict:
+        return self._render(response.text, list(response.token_ids), *self._scored(response, strings), response)
 
-    def events(self, response: router_pb2.GenerateResponse) -> list[dict]:
+    def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]:
         self._text.append(response.text)
         self._ids.extend(response.token_ids)
-        return [self._render("".join(self._text), list(self._ids), response)]
+        token_logprobs, top_logprobs = self._scored(response, strings)
+        self._token_logprobs.extend(token_logprobs)
+        self._top_logprobs.extend(top_logprobs)
+        return [self._render("".join(self._text), list(self._ids), self._token_logprobs, self._top_logprobs,
+                             response)]
 
-    @staticmethod
-    def _render(text: str, ids: list[int], response: router_pb2.GenerateResponse) -> dict:
+    def _scored(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> tuple[list, list]:
+        """The response's tokens as SGLang's triples, and their alternatives'."""
+        def triple(scored: router_pb2.Logprob | router_pb2.TokenLogprobs) -> list:
+            return [_logprob(scored), scored.token_id, strings[scored.token_id][0] if self._with_text else None]
+        return [triple(e) for e in response.logprobs], [[triple(t) for t in e.top] for e in response.logprobs]
+
+    def _render(self, text: str, ids: list[int], token_logprobs: list, top_logprobs: list,
+                response: router_pb2.GenerateResponse) -> dict:
         meta = {"id": response.request_id, "finish_reason": None, "completion_tokens": len(ids)}
+        if self._logprobs:
+            meta["output_token_logprobs"] = token_logprobs
+        if self._top:
+            meta["output_top_logprobs"] = top_logprobs
         if response.finish_reason:
             usage = response.usage
             meta.update(finish_reason=_sglang_finish(response.finish_reason, len(ids)),

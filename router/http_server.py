@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.server import MAX_MESSAGE_BYTES, ServiceError
+from radixserve.v1 import router_pb2
 from router import http_protocol as protocol
 from router.http_protocol import HttpError
 from router.service import Router
@@ -99,19 +100,23 @@ class HttpApi:
             except ServiceError as e:  # before the first byte: the answer is the error, with its status
                 raise protocol.http_error(e, call.names) from None
             if not call.answer.stream:
-                return web.json_response(call.answer.whole(first), dumps=_dumps)
+                return web.json_response(call.answer.whole(first, await self._strings(first)), dumps=_dumps)
             stream = web.StreamResponse(headers=SSE_HEADERS)
             await stream.prepare(request)
             try:
-                await _send(stream, call.answer.events(first))
+                await _send(stream, call.answer.events(first, await self._strings(first)))
                 async for response in responses:
-                    await _send(stream, call.answer.events(response))
+                    await _send(stream, call.answer.events(response, await self._strings(response)))
             except ConnectionError:
                 raise  # the client is gone: nothing to tell it
             except Exception as e:  # noqa: BLE001 -- too late for a status: the last event says what happened
                 await _send(stream, [_as_http_error(e, request, call.names).body()])
             await stream.write(DONE)
             return stream
+
+    async def _strings(self, response: router_pb2.GenerateResponse) -> dict[int, tuple[str, bytes]]:
+        """The text and bytes of the tokens `response`'s logprobs name (none without logprobs)."""
+        return await self._router.token_strings(protocol.logprob_token_ids(response))
 
 
 def _identify(router: Router, request: web.Request) -> str | None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tokenizers import decoders
 from transformers import AutoTokenizer
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -18,6 +19,8 @@ class PromptTokenizer:
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self._tokenizer.chat_template is None:
             raise ValueError(f"{model_dir} has no chat template; messages cannot be served")
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        self._byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
 
     def encode_text(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True)
@@ -27,6 +30,26 @@ class PromptTokenizer:
         rendered = self._tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
                                                        tokenize=False, add_generation_prompt=True)
         return self._tokenizer.encode(rendered, add_special_tokens=False)
+
+    def token_strings(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token's text alone (U+FFFD for the part of a character it holds, as `decode` shows it) and its
+        bytes: the token's own UTF-8 bytes in a byte-level BPE (part of a character's too), else its text's."""
+        strings = []
+        for token in self._tokenizer.convert_ids_to_tokens(list(ids)):
+            text = self._tokenizer.convert_tokens_to_string([token])
+            own = self._byte_level and all(c in _BYTE_OF for c in token)
+            strings.append((text, bytes(_BYTE_OF[c] for c in token) if own else text.encode()))
+        return strings
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: each byte's printable stand-in character, to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 # Requests up to this many bytes tokenize in about a millisecond; the largest one accepted (--max-input-chars,

@@ -14,6 +14,7 @@ import threading
 
 import grpc
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 import requests
@@ -158,6 +159,72 @@ def test_sglang_generate_as_its_docs_call_it(stack):
     assert metas[-1]["completion_tokens"] == expected.usage.completion_tokens
 
 
+def grpc_scored(stack, top_logprobs: int, **prompt) -> router_pb2.GenerateResponse:
+    """`grpc_greedy` with each token's logprob and `top_logprobs` alternatives."""
+    sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=12, logprobs=True, top_logprobs=top_logprobs)
+    (response,) = stack.router().Generate(router_pb2.GenerateRequest(sampling=sampling, **prompt), timeout=120)
+    return response
+
+
+def test_chat_logprobs_equal_grpcs_whole_and_streamed(stack, client, model):
+    expected = grpc_scored(stack, 2, messages=[router_pb2.ChatMessage(**m) for m in FRANCE])
+    whole = client.chat.completions.create(model=model, messages=FRANCE, logprobs=True, top_logprobs=2, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert [t.logprob for t in content] == [t.logprob for t in expected.logprobs]
+    assert whole.choices[0].message.content == expected.text and whole.usage.completion_tokens == len(content)
+    assert "".join(t.token for t in content) == expected.text + "<|im_end|>"  # the end of sequence is scored too
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)  # an ASCII answer: no token splits a character
+    for token in content:
+        ranked = [t.logprob for t in token.top_logprobs]
+        assert len(ranked) == 2 and ranked == sorted(ranked, reverse=True)
+        assert token.top_logprobs[0].token == token.token  # greedy takes the raw distribution's argmax
+    chunks = client.chat.completions.create(model=model, messages=FRANCE, logprobs=True, top_logprobs=2, stream=True,
+                                            **GREEDY)
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+
+
+def test_completions_legacy_logprobs_equal_grpcs(stack, client, model):
+    prompt = "The capital of France is"
+    expected = grpc_scored(stack, 1, text=prompt)
+    answer = client.completions.create(model=model, prompt=prompt, logprobs=1, **GREEDY)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.token_logprobs == [t.logprob for t in expected.logprobs]
+    assert "".join(logprobs.tokens).startswith(answer.choices[0].text) and answer.choices[0].text == expected.text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert [list(top) for top in logprobs.top_logprobs] == [[token] for token in logprobs.tokens]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+BOB = [{"role": "user", "content": "Describe Bob, who is 42, as JSON."}]
+
+
+def test_response_format_json_schema_and_guided_choice(client, model):
+    answer = client.chat.completions.create(model=model, messages=BOB, temperature=0, max_tokens=48,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "person", "schema": PERSON, "strict": True}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    assert answer.choices[0].finish_reason == "stop"
+    choices = ["Paris", "London", "Berlin"]
+    picked = client.chat.completions.create(model=model, messages=FRANCE, temperature=0, max_tokens=8,
+                                            extra_body={"guided_choice": choices})
+    assert picked.choices[0].message.content in choices
+
+
+def test_sglang_generate_with_logprobs_and_a_json_schema(stack):
+    body = {"text": "Bob is 42. As JSON:", "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)}}
+    answer = requests.post(f"{stack.http_url}/generate", json=body, timeout=120).json()
+    jsonschema.validate(json.loads(answer["text"]), PERSON)
+    meta = answer["meta_info"]
+    assert [token_id for _, token_id, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+    assert "".join(text for _, _, text in meta["output_token_logprobs"]).startswith(answer["text"])
+    assert [len(top) for top in meta["output_top_logprobs"]] == [2] * len(answer["output_ids"])
+
+
 BIG = 5 << 20  # over the 4 MiB bound
 
 
@@ -201,12 +268,18 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [28] * 8190, "sampling_params": {"max_new_tokens": 64}}, 400,
      "sampling_params.max_new_tokens", None, "exceeds the model context"),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, None, None, "exactly one of text, input_ids"),
+    # constraints and logprobs
+    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_schema", "json_schema": {}}},
+     400, "response_format.json_schema.schema", None, "is required"),
+    ("/v1/chat/completions", {"messages": FRANCE, "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+     "guided_choice", None, "got guided_regex, guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex", None,
+     "guided_regex does not compile"),
+    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None,
+     "top_logprobs must be in [0, 20]"),
     # not in the engine yet
     ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n", "unsupported_parameter", "n = 2"),
-    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True}, 400, "logprobs", "unsupported_parameter",
-     "not supported yet"),
-    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "unsupported_parameter", "not supported yet"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter", "not supported yet"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter", "batch of 2 prompts"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 3}}, 400, "sampling_params.n", "unsupported_parameter",
      "not supported yet"),

@@ -4,6 +4,8 @@ clients expect them."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,9 @@ from router import http_protocol as protocol
 FIELDS = ["messages", "prompt", "text", "input_ids", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "stop", "seed", "sampling_seed", "user", "cache_salt", "stream", "stream_options",
           "include_usage", "n", "logprobs", "response_format", "sampling_params", "rid", "ignore_eos", "model",
-          "max_new_tokens", "role", "content", "type"]
+          "max_new_tokens", "role", "content", "type", "top_logprobs", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar", "json_schema", "schema", "regex", "ebnf", "return_logprob", "top_logprobs_num",
+          "return_text_in_logprobs"]
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats()
            | st.text(max_size=5) | st.sampled_from(["\ud800", "m", "user", "text"]))
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
@@ -70,8 +74,8 @@ def responses() -> list[router_pb2.GenerateResponse]:
 
 
 def test_openai_chat_stream_with_usage():
-    answer = protocol.OpenAIAnswer("m", 7, stream=True, include_usage=True, chat=True)
-    events = [e for r in responses() for e in answer.events(r)]
+    answer = protocol.OpenAIAnswer("m", 7, stream=True, include_usage=True, chat=True, logprobs=False)
+    events = [e for r in responses() for e in answer.events(r, {})]
     head = {"id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 7, "model": "m"}
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
              "prompt_tokens_details": {"cached_tokens": 4}}
@@ -84,10 +88,113 @@ def test_openai_chat_stream_with_usage():
 
 
 def test_sglang_stream_carries_the_whole_output_so_far():
-    answer = protocol.SGLangAnswer(stream=True)
-    events = [e for r in responses() for e in answer.events(r)]
+    answer = protocol.SGLangAnswer(stream=True, logprobs=False, top=False, with_text=False)
+    events = [e for r in responses() for e in answer.events(r, {})]
     assert [(e["text"], e["output_ids"], e["meta_info"]["finish_reason"]) for e in events] == [
         ("Hi", [1], None), ("Hi", [1, 2], None), ("Hi!", [1, 2, 3], {"type": "length", "length": 3})]
     assert events[-1]["meta_info"] == {"id": "r", "finish_reason": {"type": "length", "length": 3},
                                        "completion_tokens": 3, "prompt_tokens": 5, "cached_tokens": 4,
                                        "e2e_latency": 0.25}
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("parse,body,expected", [
+    (protocol.parse_chat, {**CHAT, "logprobs": True, "top_logprobs": 2}, {"logprobs": True, "top_logprobs": 2}),
+    (protocol.parse_chat, {**CHAT, "response_format": {"type": "text"}}, {}),
+    (protocol.parse_chat, {**CHAT, "response_format": {"type": "json_object"}}, {"json_schema": '{"type": "object"}'}),
+    (protocol.parse_chat, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": SCHEMA, "strict": True}}}, {"json_schema": json.dumps(SCHEMA)}),
+    (protocol.parse_chat, {**CHAT, "guided_json": SCHEMA}, {"json_schema": json.dumps(SCHEMA)}),
+    (protocol.parse_chat, {**CHAT, "guided_json": "{}"}, {"json_schema": "{}"}),
+    (protocol.parse_chat, {**CHAT, "guided_choice": ["a", "b"]}, {"choices": ["a", "b"]}),
+    (protocol.parse_chat, {**CHAT, "guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+    (protocol.parse_completion, {"prompt": "p", "logprobs": 0}, {"logprobs": True, "top_logprobs": 0}),
+    (protocol.parse_completion, {"prompt": "p", "logprobs": 3, "guided_grammar": "root ::= \"x\""},
+     {"logprobs": True, "top_logprobs": 3, "grammar": 'root ::= "x"'}),
+    (protocol.parse_sglang, {"text": "p", "return_logprob": True, "top_logprobs_num": 1,
+                             "sampling_params": {"ebnf": "root ::= \"x\""}},
+     {"logprobs": True, "top_logprobs": 1, "grammar": 'root ::= "x"'}),
+    (protocol.parse_sglang, {"text": "p", "sampling_params": {"json_schema": "{}"}}, {"json_schema": "{}"}),
+])
+def test_constraints_and_logprobs_map_to_sampling(parse, body, expected):
+    assert parse(body, "m", 0).request.sampling == router_pb2.SamplingParams(**expected)
+
+
+@pytest.mark.parametrize("parse,body,param,message", [
+    (protocol.parse_chat, {**CHAT, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     ("at most one of response_format, guided_json, guided_regex, guided_choice, guided_grammar may be set; got "
+      "guided_regex, guided_choice")),
+    (protocol.parse_completion, {"prompt": "p", "response_format": {"type": "json_object"}, "guided_json": {}},
+     "guided_json", "got response_format, guided_json"),
+    (protocol.parse_sglang, {"text": "p", "sampling_params": {"regex": "a", "ebnf": "b"}}, "sampling_params.ebnf",
+     "got sampling_params.regex, sampling_params.ebnf"),
+    (protocol.parse_chat, {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema.schema",
+     "is required"),
+    (protocol.parse_chat, {**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "not \"xml\""),
+    (protocol.parse_chat, {**CHAT, "response_format": "json"}, "response_format", "must be a JSON object"),
+    (protocol.parse_chat, {**CHAT, "guided_json": 3}, "guided_json", "must be a JSON schema"),
+])
+def test_bad_constraints_are_400_naming_the_http_field(parse, body, param, message):
+    with pytest.raises(protocol.HttpError) as e:
+        parse(body, "m", 0)
+    assert (e.value.status, e.value.param) == (400, param) and message in e.value.message
+
+
+@pytest.mark.parametrize("parse,body,target,expected", [
+    (protocol.parse_chat, {**CHAT, "guided_json": {}}, "json_schema", "guided_json"),
+    (protocol.parse_completion, {"prompt": "p", "response_format": {"type": "json_object"}}, "json_schema",
+     "response_format"),
+    (protocol.parse_sglang, {"text": "p", "sampling_params": {"ebnf": "x"}}, "grammar", "sampling_params.ebnf"),
+])
+def test_a_constraints_compile_error_names_the_field_it_came_from(parse, body, target, expected):
+    names = parse(body, "m", 0).names
+    assert names.translate(f"sampling.{target} does not compile") == (f"{expected} does not compile", expected)
+
+
+STRINGS = {1: ("Hi", b"Hi"), 2: ("\ufffd", b"\xe6"), 3: ("!", b"!"), 9: ("Ho", b"Ho")}
+
+
+def scored_responses() -> list[router_pb2.GenerateResponse]:
+    """`responses()` with logprobs: each token with one alternative (token 9)."""
+    scored = responses()
+    for response, logprob in zip(scored, (-0.5, -1.5, float("-inf")), strict=True):
+        (token,) = response.token_ids
+        response.logprobs.add(token_id=token, logprob=logprob, top=[router_pb2.Logprob(token_id=9, logprob=-2.0)])
+    return scored
+
+
+def test_chat_logprobs_stream_with_each_chunk_its_tokens():
+    answer = protocol.OpenAIAnswer("m", 7, stream=True, include_usage=False, chat=True, logprobs=True)
+    chunks = [e["choices"][0]["logprobs"] for r in scored_responses() for e in answer.events(r, STRINGS)]
+    top = [{"token": "Ho", "logprob": -2.0, "bytes": [72, 111]}]
+    assert chunks == [{"content": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": top}]},
+                      {"content": [{"token": "\ufffd", "logprob": -1.5, "bytes": [0xe6], "top_logprobs": top},
+                                   {"token": "!", "logprob": -9999.0, "bytes": [33], "top_logprobs": top}]}]
+
+
+def test_completion_logprobs_are_the_legacy_shape_with_offsets_across_chunks():
+    answer = protocol.OpenAIAnswer("m", 7, stream=True, include_usage=False, chat=False, logprobs=True)
+    chunks = [e["choices"][0]["logprobs"] for r in scored_responses() for e in answer.events(r, STRINGS)]
+    assert chunks == [{"tokens": ["Hi"], "token_logprobs": [-0.5], "top_logprobs": [{"Hi": -0.5, "Ho": -2.0}],
+                       "text_offset": [0]},
+                      {"tokens": ["\ufffd", "!"], "token_logprobs": [-1.5, -9999.0],
+                       "top_logprobs": [{"\ufffd": -1.5, "Ho": -2.0}, {"!": -9999.0, "Ho": -2.0}],
+                       "text_offset": [2, 3]}]
+
+
+def test_sglang_logprobs_are_triples_accumulated_over_the_stream():
+    answer = protocol.SGLangAnswer(stream=True, logprobs=True, top=True, with_text=True)
+    meta = [e for r in scored_responses() for e in answer.events(r, STRINGS)][-1]["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 1, "Hi"], [-1.5, 2, "\ufffd"], [-9999.0, 3, "!"]]
+    assert meta["output_top_logprobs"] == [[[-2.0, 9, "Ho"]]] * 3
+    whole = protocol.SGLangAnswer(stream=False, logprobs=True, top=False, with_text=False)
+    meta = whole.whole(scored_responses()[0], STRINGS)["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 1, None]] and "output_top_logprobs" not in meta
+
+
+def test_logprob_token_ids_are_the_chosen_and_the_alternatives():
+    assert protocol.logprob_token_ids(scored_responses()[0]) == {1, 9}
+    assert protocol.logprob_token_ids(responses()[0]) == set()
