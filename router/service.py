@@ -51,7 +51,7 @@ class Router:
         self._matcher = matcher
         self._tokenizers = tokenizers
         self._limits = limits
-        self.tenants = tenants
+        self._tenants = tenants
 
     @property
     def model(self) -> router_pb2.ModelInfo:
@@ -64,7 +64,7 @@ class Router:
 
     def identify(self, authorization: str | None, peer: str | None) -> str | None:
         """The caller's tenant (`Tenants.identify`): every transport asks before it serves a call."""
-        return self.tenants.identify(authorization, peer)
+        return self._tenants.identify(authorization, peer)
 
     async def generate(self, request: router_pb2.GenerateRequest, time_remaining: Callable[[], float | None],
                        tenant: str | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
