@@ -1,0 +1,1 @@
+"""Short radixserve.lang programs, each runnable against `make run`: `.venv/bin/python examples/<name>.py [router]`."""
