@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import cache, engine, lang, machine, radix_match, resolved_dtype, tiers, workloads
+from bench import cache, engine, lang, machine, radix_match, resolved_dtype, sampling, tiers, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,6 +46,7 @@ def main() -> None:
         "workloads": ("serving workloads: each configuration vs its baseline (cache on: vs cache off)",
                       lambda: workloads.run(RESULTS / stamp, sizes, dtype)),
         "lang": (f"radixserve.lang programs vs the same calls sent one by one ({dtype})", lambda: lang.run(dtype)),
+        "sampling": (f"structured output, n samples, HTTP vs gRPC ({dtype})", lambda: sampling.run(dtype)),
     }
     results, tables = {}, []
     for key, (title, run) in suites.items():

@@ -5,8 +5,8 @@ neither finds the other's prefix cached.
 - document: one document (~600 tokens) and 8 questions, 24 greedy tokens each. Program: `fork(8)` (the document
   primed once, the branches concurrent). Naive: 8 Generate calls of the same messages, one after another.
 - classifier: a few-shot prefix (~250 tokens) and 16 inputs, 3 labels. `select`: run_batch of 16 programs
-  against the same prompt-scoring calls (one per label) one by one; prompt scoring reuses no cache, so only
-  concurrency can help it. `gen(choices=)` (the server's constrained decoding, which reuses the cache): run_batch
+  against the same prompt-scoring calls (one per label, scored from the label on, reusing the cached prompt) one
+  by one. `gen(choices=)` (the server's constrained decoding, which reuses the cache): run_batch
   against 16 Generate calls one by one.
 
 Rows per workload: end-to-end time, mean TTFT per call as the client sees it (the program's priming calls left
@@ -151,7 +151,7 @@ def classifier_rows(backend: Router, calls: _Calls, shots: list[str], passages: 
             prefix = calls.tokenize(text=prompt)
             for label in LABELS:
                 calls.generate(token_ids=prefix + calls.tokenize(text=label), sampling=router_pb2.SamplingParams(
-                    temperature=0, max_new_tokens=1, prompt_logprobs=True))
+                    temperature=0, max_new_tokens=1, prompt_logprobs=True, prompt_logprobs_start=len(prefix)))
         else:
             calls.generate(text=prompt, sampling=router_pb2.SamplingParams(temperature=0, max_new_tokens=4,
                                                                            choices=LABELS))

@@ -147,8 +147,32 @@ def integrity() -> list[Panel]:
     ]
 
 
-ROWS = (("Latency", latency), ("Throughput", throughput), ("Prefix cache", cache), ("Queues", queues),
-        ("Tiers", tiers), ("Integrity and errors", integrity))
+def ratio(numerator: str, denominator: str) -> str:
+    """Per model, the rate of counter `numerator` over the rate of counter `denominator`."""
+    return f"{rate(numerator, 'model')} / {rate(denominator, 'model')}"
+
+
+def rates() -> list[Panel]:
+    """The four rates of `Router/Stats` (docs/design.md, section 11), over the dashboard's window."""
+    loaded = 'radixserve_l1_load_pages_total{outcome="loaded"}'
+    wait = "radixserve_prefetch_wait_time_seconds"
+    return [
+        panel("Radix hit rate", "percentunit", "Router: prompt tokens reused from any tier over prompt tokens.",
+              (ratio("radixserve_cached_tokens_total", "radixserve_prompt_tokens_total"), "{{model}}")),
+        panel("L1 load success rate", "percentunit", "Router: L2 pages the worker copied into L1 over the L2 pages "
+              "leased to it beyond its L1 hit (the rest failed its checks and were recomputed).",
+              (ratio(loaded, "radixserve_l1_load_pages_total"), "{{model}}")),
+        panel("Mean prefetch wait", "s", "Router: seconds requests waited for their L3 -> L2 prefetch, per request "
+              "that waited.", (ratio(wait + "_sum", wait + "_count"), "{{model}}")),
+        panel("Scheduler block rate", "percentunit", "Workers: admitted requests the scheduler passed over at least "
+              "once first (no free pages, batch full, or the step's prefill budget spent) over admitted requests.",
+              (ratio("radixserve_worker_blocked_requests_total", "radixserve_worker_admitted_requests_total"),
+               "{{model}}")),
+    ]
+
+
+ROWS = (("Rates", rates), ("Latency", latency), ("Throughput", throughput), ("Prefix cache", cache),
+        ("Queues", queues), ("Tiers", tiers), ("Integrity and errors", integrity))
 
 
 def build() -> dict:

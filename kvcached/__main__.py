@@ -86,7 +86,7 @@ async def run(config: KVCachedConfig) -> None:
         await serve("kvcached", config.host, config.port, config.metrics_port,
                     [ServiceSpec(servicer,
                                  kvcache_pb2_grpc.add_KVCacheServicer_to_server, "radixserve.v1.KVCache")],
-                    grace_s=config.drain_grace_s, security=config,
+                    grace_s=config.drain_grace_s, security=config, traces_endpoint=config.otlp_traces_endpoint,
                     components={DISK_HEALTH: (lambda: disk.healthy)} if disk is not None else None)
     finally:
         expiry.cancel()

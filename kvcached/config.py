@@ -35,6 +35,8 @@ class KVCachedConfig(TransportSecurity):
     max_allocation_slots: int = setting(1024, "most slots one AllocateSlots may take (1,024 pages: 16k tokens at "
                                               "page size 16); a larger ask is refused, so nobody empties L2")
     drain_grace_s: float = setting(5.0, "seconds in-flight RPCs get to finish on SIGTERM")
+    otlp_traces_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty: "
+                                            "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without them tracing is off")
 
     def __post_init__(self) -> None:
         super().__post_init__()

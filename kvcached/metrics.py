@@ -16,7 +16,9 @@ evictions = Counter("radixserve_kvcached_evictions_total", "Blocks evicted", ["t
 integrity_failures = Counter("radixserve_kvcached_integrity_failures_total", "Idle integrity checks that failed")
 expired = Counter("radixserve_kvcached_expired_total", "Leases and allocations dropped at their TTL")
 rpc_latency = Histogram("radixserve_kvcached_rpc_seconds", "RPC handling time", ["method"],
-                        buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
+                        # MatchPrefix ~1-2 ms at 100k blocks; WaitPrefetch up to the policy's wait or a deadline
+                        buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                 10, 60))
 prefetches = Counter("radixserve_kvcached_prefetches_total", "L3 -> L2 prefetches started")
 prefetched_blocks = Counter("radixserve_kvcached_prefetched_blocks_total", "Blocks loaded from L3 into L2")
 prefetch_failures = Counter("radixserve_kvcached_prefetch_failures_total", "Prefetches ended early", ["reason"])

@@ -12,6 +12,7 @@ import grpc
 from kvcached import metrics
 from kvcached.cache import Conflict, Exhausted, InvalidRequest, KVCache, Namespace, NotFound
 from kvcached.prefetch import Prefetcher
+from radixserve import tracing
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.server import ServiceError
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -21,15 +22,19 @@ _STATUS = ((NotFound, grpc.StatusCode.NOT_FOUND), (Conflict, grpc.StatusCode.FAI
 
 
 def _rpc(fn):
-    """Expires stale holds first, times the call, maps the core's errors to statuses."""
+    """Expires stale holds first, times the call (a span of the caller's trace, when it sent one), maps the core's
+    errors to statuses."""
+    name = f"kvcached.{fn.__name__}"
+
     @functools.wraps(fn)
     async def wrapper(self: KVCacheServicer, request, context):
         started = time.perf_counter()
         self.last_rpc_at = time.monotonic()
         metrics.expired.inc(self.cache.expire())
         try:
-            result = fn(self, request)
-            return await result if inspect.isawaitable(result) else result
+            with tracing.joined(name, context):
+                result = fn(self, request)
+                return await result if inspect.isawaitable(result) else result
         except tuple(e for e, _ in _STATUS) as e:
             code = next(c for cls, c in _STATUS if isinstance(e, cls))
             raise ServiceError(code, str(e.args[0])) from None
@@ -83,6 +88,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         if request.prefetch and self._prefetcher is not None:
             prefetch_id = self._prefetcher.maybe_start(request.model_fingerprint, request.cache_salt,
                                                        request.token_ids, match)
+        tracing.annotate({"radixserve.l2_pages": match.pages, "radixserve.l3_pages": match.l3_pages,
+                          "radixserve.prefetch_started": bool(prefetch_id)})
         return kvcache_pb2.MatchPrefixResponse(
             matched_pages=match.pages, l2_slots=match.l2_slots, l2_generations=match.generations,
             lease_expires_unix_ms=int(match.lease_expires_unix_s * 1e3), lease_id=match.lease_id or "",
@@ -95,6 +102,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             return kvcache_pb2.WaitPrefetchResponse(done=True)
         ready, total, done = await self._prefetcher.wait(request.prefetch_id, request.timeout_ms / 1e3,
                                                          request.cost_aware)
+        tracing.annotate({"radixserve.prefetch.ready_pages": ready, "radixserve.prefetch.total_pages": total,
+                          "radixserve.prefetch.done": done})
         return kvcache_pb2.WaitPrefetchResponse(ready_pages=ready, total_pages=total, done=done)
 
     @_rpc

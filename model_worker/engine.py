@@ -18,11 +18,18 @@ the step loop itself dies, `start`'s `on_death` runs, so the process can stop se
 Constrained requests (`SamplingParams.constraint`) arrive with their grammar compiled (`Engine.grammars.compile`,
 off the step thread); each gets a matcher, the batch's bitmask masks their logits before sampling, and the matcher
 accepts every sampled token (the grammar allows EOS only where the output is complete). Logprobs are of the model's
-raw distribution (`model_worker.sampler`). A request with `prompt_logprobs` gets logits for every prompt position,
-so it neither reuses nor caches prefix pages: a cached page has no logits to score.
+raw distribution (`model_worker.sampler`). A request with `prompt_logprobs` gets logits for every prompt position
+it computes, and reuses cached pages only before `prompt_logprobs_start - 1` (`Sequence.reusable`): a cached page
+has no logits to score.
 
     logits rows of one step, per chunk:  | scored prompt chunk: one per position | sampling chunk: its last | ...
     row of position p scores token p + 1; the row of the prompt's last position samples the first output token
+
+A request of `n` samples is one sequence until its prefill ends; then it forks `n - 1` more (`_fork`), which share
+its prompt's full pages (a partial last page is copied) and its cached-path lease, and sample their first tokens
+from the same logits row. Sample i has its own generator (seeded `seed + i`, as vLLM seeds its child requests),
+matcher, detokenizer and stop filter, and ends with its own final output (`RequestOutput.index`); samples that were
+never forked end with the first (abort, error). Admission reserves the pages and running slots of all n.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class Load:
     pages_used: int
     pages_total: int
     pages_cached: int
+    admitted: int = 0  # requests admitted since start (`Scheduler.admitted`), and those blocked first
+    blocked: int = 0
 
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
@@ -178,12 +187,16 @@ class Engine:
         engine releases in every case (used, unusable, refused, or the request aborted before it ran).
         `grammar` is `self.grammars.compile(sampling.constraint)`, given exactly when there is a constraint.
         """
-        state = CacheState(dataclasses.replace(cache, enabled=False) if sampling.prompt_logprobs else cache)
+        state = CacheState(cache)
         with self._cond:
             try:
                 if (grammar is None) != (sampling.constraint is None):
                     raise ValueError("a constrained request needs its compiled grammar, and only it has one")
+                if sampling.n > self.config.max_running_requests:
+                    raise ValueError(f"n ({sampling.n}) exceeds the {self.config.max_running_requests} sequences "
+                                     "this worker runs at once (--max-running-requests)")
                 seq = self._new_sequence(request_id, list(prompt_ids), sampling, on_output, state)
+                seq.grammar = grammar
                 seq.matcher = new_matcher(grammar) if grammar is not None else None
                 if any(s.request_id == request_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
                     raise ValueError(f"request id {request_id!r} is already running")
@@ -211,9 +224,12 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
             cache=cache,
         )
+        seq.forks = sampling.n - 1
         if pages_needed(seq, self.pool.page_size) > self.pool.num_pages:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} needs "
-                             f"{pages_needed(seq, self.pool.page_size)} KV pages; the pool has {self.pool.num_pages}")
+            samples = f" x {sampling.n} samples" if sampling.n > 1 else ""
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens}{samples} "
+                             f"needs {pages_needed(seq, self.pool.page_size)} KV pages; the pool has "
+                             f"{self.pool.num_pages}")
         return seq
 
     def _check_room(self, seq: Sequence) -> None:
@@ -231,18 +247,18 @@ class Engine:
             self.prefix.discard(CacheState(cache))
 
     def abort(self, request_id: str) -> None:
-        """Ends the request now and frees its pages; its final output (finish_reason "abort") is sent from here."""
+        """Ends the request now and frees its pages; the final outputs (finish_reason "abort") of its unfinished
+        samples are sent from here."""
         with self._cond:
-            seq = self.scheduler.remove(request_id)
-            if seq is None:
-                return
-            seq.finished = True
-            self._emit(seq, [], "", "abort")
+            for seq in self.scheduler.remove(request_id):
+                seq.finished = True
+                self._emit(seq, [], "", "abort")
 
     def load(self) -> Load:
         with self._cond:
             return Load(len(self.scheduler.running), len(self.scheduler.waiting),
-                        self.pool.num_pages - self.pool.num_free, self.pool.num_pages, self.prefix.cached_pages)
+                        self.pool.num_pages - self.pool.num_free, self.pool.num_pages, self.prefix.cached_pages,
+                        self.scheduler.admitted, self.scheduler.admitted_blocked)
 
     def check_integrity(self) -> None:
         """Pool and L1 index invariants; when no request is in flight, every held page is a cached one."""
@@ -303,7 +319,7 @@ class Engine:
             positions.extend(range(start, start + chunk.length))
             logits_rows.extend(range(len(ids) - _rows_of(chunk), len(ids)))
         meta = self.backend.prepare(
-            [Chunk(self.pool.block_table(c.seq.request_id), c.start, c.length) for c in chunks])
+            [Chunk(self.pool.block_table(c.seq.key), c.start, c.length) for c in chunks])
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -322,15 +338,20 @@ class Engine:
                 sampling_chunks.append(chunk)
                 sampling_rows.append(first + n - 1)
             first += n
-        if len(sampling_rows) < len(logits):
-            logits = logits[sampling_rows]
-        tokens, logprobs = self._sample(sampling_chunks, logits) if sampling_chunks else ([], [])
         for chunk in chunks:
             seq = chunk.seq
             if not seq.finished:
                 seq.num_computed += chunk.length
                 if chunk.start < seq.prompt_len <= seq.num_computed:  # prefill done: cache the prompt's pages
-                    self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
+                    self.prefix.cache(seq.key, seq.token_ids, seq.num_computed, seq.cache)
+        for chunk, row in list(zip(sampling_chunks, sampling_rows)):
+            if chunk.seq.forks and not chunk.seq.finished:  # the other samples start from the same row
+                forked = self._fork(chunk.seq)
+                sampling_chunks.extend(chunk._replace(seq=sample) for sample in forked)
+                sampling_rows.extend([row] * len(forked))
+        if sampling_rows != list(range(len(logits))):
+            logits = logits[sampling_rows]
+        tokens, logprobs = self._sample(sampling_chunks, logits) if sampling_chunks else ([], [])
         for chunk, token, logprob in zip(sampling_chunks, tokens, logprobs):
             if chunk.seq.finished:
                 continue
@@ -340,6 +361,26 @@ class Engine:
                 self._fail(chunk.seq, f"the grammar refused token {token}, which its mask allowed")
             else:
                 self._append_token(chunk.seq, token, logprob)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The other samples of `seq`'s request, now that its prefill is done (module docstring); they run from
+        the next step on. Their pages were reserved at admission."""
+        samples = []
+        for index in range(1, seq.forks + 1):
+            sampling = seq.sampling
+            seed = None if sampling.seed is None else (sampling.seed + index) % 2**64
+            sample = dataclasses.replace(
+                seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[],
+                generator=make_generator(seed, self.device) if seq.generator is not None else None,
+                detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
+                cache=self.prefix.fork(seq.cache),
+                matcher=new_matcher(seq.grammar) if seq.grammar is not None else None)
+            self.prefix.make_room(1)
+            self.pool.fork(seq.key, sample.key, seq.num_computed)
+            self.scheduler.running.append(sample)
+            samples.append(sample)
+        seq.forks = 0
+        return samples
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor
                 ) -> tuple[list[int | None], list[TokenLogprob | None]]:
@@ -361,13 +402,16 @@ class Engine:
         return tokens, logprobs
 
     def _score_prompt(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
-        """Appends the logprobs of prompt tokens start+1 .. start+len(logits) to the sequence; a row that is not
-        finite fails the request."""
+        """Appends the logprobs of the prompt tokens start+1 .. start+len(logits) from `prompt_logprobs_start` on to
+        the sequence; a row that is not finite fails the request."""
         seq = chunk.seq
+        skip = max(0, seq.sampling.prompt_logprobs_start - 1 - chunk.start)
+        logits = logits[skip:]
         if not torch.isfinite(logits).all():
             self._fail(seq, "prompt scoring failed: the logits are not finite")
             return
-        scored = seq.token_ids[chunk.start + 1:chunk.start + 1 + len(logits)]
+        first = chunk.start + 1 + skip
+        scored = seq.token_ids[first:first + len(logits)]
         seq.prompt_logprobs.extend(token_logprobs(torch.log_softmax(logits, dim=-1), scored,
                                                   [seq.sampling.top_logprobs] * len(scored)))
 
@@ -393,22 +437,27 @@ class Engine:
         self._emit(seq, [token], text, finish, logprobs=() if logprob is None else (logprob,))
 
     def _is_eos(self, seq: Sequence, token: int) -> bool:
-        return token in self._eos and not seq.sampling.ignore_eos
+        return (token in self._eos and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids
 
     def _emit(self, seq: Sequence, tokens: list[int], text: str, finish: str | None, error: str | None = None,
               logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         first = bool(tokens) and seq.num_output == 1
         timed = finish is not None or first
         output = RequestOutput(seq.request_id, tuple(tokens), text, finish, error=error, logprobs=logprobs,
-                               prompt_logprobs=tuple(seq.prompt_logprobs) if first else ())
+                               prompt_logprobs=tuple(seq.prompt_logprobs) if first else (), index=seq.index)
         if timed:
             started = seq.scheduled_at or time.perf_counter()
             output = dataclasses.replace(
                 output, queue_ms=(started - seq.arrival) * 1e3,
                 prefill_ms=((seq.first_token_at or started) - started) * 1e3,
-                cached_tokens_l1=seq.cache.cached_l1_tokens, cached_tokens_l2=seq.cache.cached_l2_tokens)
+                cached_tokens_l1=seq.cache.cached_l1_tokens, cached_tokens_l2=seq.cache.cached_l2_tokens,
+                l2_copy_ms=seq.cache.l2_copy_ms)
+        # samples never forked end with the one they were to fork from
+        unforked = [RequestOutput(seq.request_id, (), "", finish, error=error, index=seq.index + i)
+                    for i in range(1, seq.forks + 1)] if finish is not None else []
         try:
-            seq.on_output(output)
+            for each in (output, *unforked):
+                seq.on_output(each)
         except Exception:  # a broken callback must not take the other requests down with it
             log.exception("on_output failed", extra={"request_id": seq.request_id})
 
@@ -462,13 +511,14 @@ class Engine:
 
     # -- convenience -------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Runs `prompts` together to completion; the generated token ids of each (eos included when hit)."""
-        results: dict[str, list[int]] = {}
+        """Runs `prompts` together to completion; the generated token ids of each (eos included when hit), and of
+        each sample in turn when `sampling.n` > 1."""
+        results: dict[tuple[str, int], list[int]] = {}
         done = threading.Event()
-        remaining = [len(prompts)]
+        remaining = [len(prompts) * sampling.n]
 
         def collect(output: RequestOutput) -> None:
-            results.setdefault(output.request_id, []).extend(output.token_ids)
+            results.setdefault((output.request_id, output.index), []).extend(output.token_ids)
             if output.finish_reason is not None:
                 remaining[0] -= 1
                 if remaining[0] == 0:
@@ -483,4 +533,4 @@ class Engine:
                 done.wait()
             elif not self.step():
                 raise RuntimeError("engine idle with unfinished requests")
-        return [results.get(request_id, []) for request_id in request_ids]
+        return [results.get((request_id, index), []) for request_id in request_ids for index in range(sampling.n)]

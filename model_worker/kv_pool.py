@@ -7,7 +7,9 @@ Contracts:
 - `allocate(n)` takes `n` pages off the free list with refcount 1, or raises `OutOfPages` and changes nothing.
 - `incref(pages)` shares pages (a prefix held by several sequences); `decref(pages)` returns a page to the free
   list when its count reaches 0. A page id is never on the free list while its refcount is > 0.
-- Block tables map a sequence id to its pages in token order; `release(seq_id)` decrefs them all at once.
+- Block tables map a sequence id (any hashable) to its pages in token order; `release(seq_id)` decrefs them all at
+  once. `fork(seq_id, new_id, tokens)` gives a new sequence the pages of another's first `tokens` tokens: full
+  pages shared, a partial last page copied (both write their own next tokens into it).
 - `check_integrity()` asserts: free pages + pages with refcount > 0 == total, and the free list has no duplicates.
 The pool is not thread-safe: the engine calls it under its own lock.
 """
@@ -15,6 +17,7 @@ The pool is not thread-safe: the engine calls it under its own lock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 import torch
 
@@ -86,20 +89,35 @@ class KVPool:
                 self._free.append(page)
 
     # -- block tables ------------------------------------------------------------------------------------------
-    def block_table(self, seq_id: str) -> list[int]:
+    def block_table(self, seq_id: Hashable) -> list[int]:
         """The pages of `seq_id` in token order (the live list: callers must not mutate it)."""
         return self._tables.setdefault(seq_id, [])
 
-    def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
+    def ensure_capacity(self, seq_id: Hashable, num_tokens: int) -> None:
         """Grows the table of `seq_id` so it holds `num_tokens` tokens; raises `OutOfPages` and changes nothing."""
         table = self.block_table(seq_id)
         missing = pages_for_tokens(num_tokens, self.page_size) - len(table)
         if missing > 0:
             table.extend(self.allocate(missing))
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: Hashable) -> None:
         """Drops the table of `seq_id` and one reference to each of its pages; unknown ids are a no-op."""
         self.decref(self._tables.pop(seq_id, []))
+
+    def fork(self, seq_id: Hashable, new_id: Hashable, num_tokens: int) -> None:
+        """Gives `new_id` (which has no table) the pages of the first `num_tokens` tokens of `seq_id`: the full ones
+        shared, a partial last one copied; raises `OutOfPages` and changes nothing."""
+        if self._tables.get(new_id):
+            raise ValueError(f"sequence {new_id!r} already has pages")
+        table = self.block_table(seq_id)
+        full, partial = divmod(num_tokens, self.page_size)
+        if full + bool(partial) > len(table):
+            raise ValueError(f"sequence {seq_id!r} holds {len(table)} pages, fewer than {num_tokens} tokens need")
+        copied = self.allocate(1) if partial else []
+        if copied:
+            self.kv[copied[0]].copy_(self.kv[table[full]])
+        self.incref(table[:full])
+        self._tables[new_id] = table[:full] + copied
 
     # -- data --------------------------------------------------------------------------------------------------
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy, slab_blocks
+from radixserve import tracing
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.blocks.slab import SlabSegment
 from radixserve.transport import TransportSecurity, open_channel
@@ -60,6 +61,7 @@ class CommitJob:
     first_page: int
     l1_pages: tuple[int, ...]
     on_done: Callable[[], None]
+    trace: tuple[tuple[str, str], ...] = ()  # the request's trace context: the commit is a span of its trace
 
 
 @dataclass
@@ -214,12 +216,17 @@ class KVCacheClient:
     def _commit(self, job: CommitJob) -> None:
         if self._attached is None and (time.monotonic() < self._retry_at or not self.register()):
             return
+        with tracing.span("worker.commit", tracing.extract(job.trace), attributes={
+                "radixserve.commit.first_page": job.first_page, "radixserve.commit.pages": len(job.l1_pages)}):
+            self._commit_pages(job, tracing.outgoing())
+
+    def _commit_pages(self, job: CommitJob, metadata: tuple[tuple[str, str], ...] | None) -> None:
         attached = self._attached
         for start in range(0, len(job.l1_pages), MAX_COMMIT_SLOTS):
             pages = job.l1_pages[start:start + MAX_COMMIT_SLOTS]
             allocation = self._stub.AllocateSlots(kvcache_pb2.AllocateSlotsRequest(
                 model_fingerprint=self._fingerprint, count=len(pages), segment_name=attached.segment.name),
-                timeout=self._timeout_s)
+                timeout=self._timeout_s, metadata=metadata)
             for slot, page in zip(allocation.slots, pages):
                 self._block_copy.copy(attached.blocks[slot], self._l1_kv[page])
             self._block_copy.drain()
@@ -228,7 +235,7 @@ class KVCacheClient:
                 model_fingerprint=self._fingerprint, cache_salt=job.cache_salt,
                 token_ids=job.token_ids[:(first_page + len(pages)) * self._geometry.page_size],
                 first_page=first_page, slots=allocation.slots, allocation_id=allocation.allocation_id),
-                timeout=self._timeout_s)
+                timeout=self._timeout_s, metadata=metadata)
             metrics.committed_blocks.inc(result.inserted)
             if len(allocation.slots) < len(pages):  # L2 is full of pinned pages: the rest would leave a gap
                 return

@@ -21,13 +21,16 @@ Contracts (all calls under the engine lock, from the engine thread or `abort`):
 - `cache(seq)` whenever more full pages are computed (end of prefill, end of the request): inserts them into the
   index and queues the ones kvcached lacks for commit. Idempotent.
 - `detach(seq)` when the sequence ends, before its pages are released: drops its lease and any unused L2 lease.
+- `fork(state)` for a sample forked from a sequence at the end of its prefill: a share of the parent's lease on the
+  cached path (the sample holds those pages too), the same reuse counts, no L2 lease.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +67,7 @@ class CacheRequest:
     salt: str = ""
     enabled: bool = True
     l2_lease: L2Lease | None = None
+    trace: tuple[tuple[str, str], ...] = ()  # the request's trace context as metadata (radixserve.tracing), or none
 
 
 @dataclass(eq=False)
@@ -77,6 +81,7 @@ class CacheState:
     cached_l2_tokens: int = 0
     pages_in_l1: int = 0  # leading pages of the sequence known to be in the L1 index
     pages_in_l2: int = 0  # leading pages known to be in kvcached
+    l2_copy_ms: float = 0.0  # time the L2 -> L1 copy took at admission (reported in traces)
 
     def __post_init__(self) -> None:
         self.l2_lease_pending = self.request.l2_lease is not None
@@ -112,8 +117,8 @@ class PrefixCache:
         return block_hashes(namespace_key(self._fingerprint, state.request.salt), token_ids, self._page_size)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def attach(self, request_id: str, prompt: list[int], state: CacheState) -> int:
-        """Puts the reusable prefix of `prompt` into the block table of `request_id`; returns its length in tokens."""
+    def attach(self, seq_id: Hashable, prompt: list[int], state: CacheState) -> int:
+        """Puts the reusable prefix of `prompt` into the block table of `seq_id`; returns its length in tokens."""
         if not state.request.enabled:
             self._release_l2(state)
             return 0
@@ -123,9 +128,11 @@ class PrefixCache:
         state.l1_lease = match.lease
         l1_pages = list(match.slots)  # the L1 index's slots are pool pages
         self._pool.incref(l1_pages)
-        table = self._pool.block_table(request_id)
+        table = self._pool.block_table(seq_id)
         table.extend(l1_pages)
+        copy_started = time.perf_counter()
         l2_pages, lease_held = self._copy_from_l2(state, hashes, len(l1_pages))
+        state.l2_copy_ms = (time.perf_counter() - copy_started) * 1e3
         self._release_l2(state)
         table.extend(l2_pages)
         state.cached_l1_tokens = len(l1_pages) * self._page_size
@@ -162,13 +169,13 @@ class PrefixCache:
         state.l2_lease_pending = False
 
     # -- caching computed pages --------------------------------------------------------------------------------
-    def cache(self, request_id: str, token_ids: list[int], num_computed: int, state: CacheState) -> None:
+    def cache(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
         """Inserts the sequence's computed full pages into the index and commits what kvcached lacks."""
         full = num_computed // self._page_size
         if not state.request.enabled or full <= state.pages_in_l1:
             return
         hashes = self._hashes(state, token_ids[:full * self._page_size])
-        table = self._pool.block_table(request_id)[:full]
+        table = self._pool.block_table(seq_id)[:full]
         # The new lease pins the whole cached path, so eviction never takes pages this sequence still uses.
         inserted = self._index.insert(hashes, table, lock=True)
         new = inserted.cached_pages
@@ -186,11 +193,18 @@ class PrefixCache:
         first = state.pages_in_l2
         state.pages_in_l2 = full
         self._client.commit(CommitJob(state.request.salt, tuple(token_ids[:full * self._page_size]), first,
-                                      l1_pages[first:], lambda: self._unlock_lease(lease)))
+                                      l1_pages[first:], lambda: self._unlock_lease(lease), state.request.trace))
 
     def _unlock_lease(self, lease: Lease) -> None:
         with self._lock:
             self._index.unlock(lease)
+
+    def fork(self, state: CacheState) -> CacheState:
+        """The state of a sample forked from the sequence of `state` (module docstring)."""
+        return CacheState(dataclasses.replace(state.request, l2_lease=None),
+                          l1_lease=None if state.l1_lease is None else self._index.share(state.l1_lease),
+                          cached_l1_tokens=state.cached_l1_tokens, cached_l2_tokens=state.cached_l2_tokens,
+                          pages_in_l1=state.pages_in_l1, pages_in_l2=state.pages_in_l2)
 
     # -- end of a sequence -------------------------------------------------------------------------------------
     def detach(self, state: CacheState) -> None:

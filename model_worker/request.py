@@ -49,7 +49,10 @@ class SamplingParams:
     constraint: Constraint | None = None
     logprobs: bool = False  # report each generated token's logprob
     top_logprobs: int = 0  # and this many alternatives (for prompt tokens too)
-    prompt_logprobs: bool = False  # score every prompt token after the first; such a request reuses no cache
+    prompt_logprobs: bool = False  # score the prompt's tokens from `prompt_logprobs_start` on
+    prompt_logprobs_start: int = 1  # the prefix before it may come from the cache (a cached page has no logits)
+    n: int = 1  # samples of the prompt: one prefill, whose pages they share (`model_worker.engine`)
+    stop_token_ids: tuple[int, ...] = ()  # end the sample (finish "stop") like EOS, even with ignore_eos
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # also refuses NaN, which compares false with everything
@@ -60,6 +63,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prompt_logprobs_start < 1:
+            raise ValueError(f"prompt_logprobs_start must be >= 1, got {self.prompt_logprobs_start}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.constraint is not None and self.ignore_eos:
@@ -68,7 +75,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One step's news for a request: new token ids and text delta; timings on the first and final outputs."""
+    """One step's news for one sample of a request: new token ids and text delta; timings on the first and final
+    outputs. Each of a request's `n` samples ends with its own final output."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -78,6 +86,8 @@ class RequestOutput:
     prefill_ms: float | None = None
     cached_tokens_l1: int | None = None  # prompt tokens reused from the worker's own pool
     cached_tokens_l2: int | None = None  # prompt tokens copied out of kvcached's shared memory
+    l2_copy_ms: float | None = None  # of `queue_ms`, the copy of those tokens into the worker's pool
     error: str | None = None  # with finish_reason "error": what failed for this request alone
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first token's output: prompt tokens 1..n-1, in order
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on sample 0's first token: prompt tokens 1..n-1, in order
+    index: int = 0  # which sample, in [0, n)

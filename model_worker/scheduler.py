@@ -3,11 +3,13 @@
 Per step (`schedule`):
   1. every running sequence that has finished its prompt decodes 1 token (decode never waits for prefill);
   2. running sequences still in their prompt take prompt chunks, at most `chunked_prefill_size` tokens in all;
-  3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` and
-     the page reservation allow; admission stops at the first that does not fit (no overtaking).
+  3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` (a
+     request of n samples counts n) and the page reservation allow; admission stops at the first that does not
+     fit (no overtaking).
 
 Page reservation: a running sequence may need `pages_for(max_tokens - 1)` pages by its end (the last sampled token
-is never fed back). Admission requires the free pages plus the evictable pages of the L1 prefix cache to cover the
+is never fed back); one still to fork `forks` more samples needs that many times more, less the full prompt pages
+they will share. Admission requires the free pages plus the evictable pages of the L1 prefix cache to cover the
 not-yet-allocated part of every running sequence's need plus the newcomer's (counting its reused prefix pages as
 new: a little conservative), so a step can always allocate its pages, evicting cached pages first when the free
 list is short: no preemption, no OOM mid-decode.
@@ -32,7 +34,7 @@ from model_worker.prefix_cache import CacheState, PrefixCache
 from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from xgrammar import GrammarMatcher
+    from xgrammar import CompiledGrammar, GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -54,8 +56,24 @@ class Sequence:
     first_token_at: float | None = None
     num_computed: int = 0  # tokens whose K/V are in the pool
     finished: bool = False
+    grammar: CompiledGrammar | None = None  # a constrained request's compiled constraint
     matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
+    index: int = 0  # which of the request's `sampling.n` samples this is
+    forks: int = 0  # samples still to be forked from this one when its prefill ends (`Engine._fork`)
+    blocked: bool = False  # a step passed it over: it waited in the queue for room (pages, batch, token budget)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Its block table's id in the pool: one per sample."""
+        return self.request_id, self.index
+
+    @property
+    def reusable(self) -> list[int]:
+        """The prompt as far as cached pages may stand for it: a request scoring its prompt from token s needs the
+        logits of position s - 1 computed (`PrefixCache.attach` reuses one token short of what it is given)."""
+        scored_from = self.sampling.prompt_logprobs_start if self.sampling.prompt_logprobs else self.prompt_len
+        return self.token_ids[:min(scored_from, self.prompt_len)]
 
     @property
     def num_output(self) -> int:
@@ -63,8 +81,10 @@ class Sequence:
 
 
 def pages_needed(seq: Sequence, page_size: int) -> int:
-    """Pages `seq` may hold by its end: K/V of every token but the last sampled one."""
-    return pages_for_tokens(seq.max_tokens - 1, page_size)
+    """Pages `seq` may hold by its end, with the samples it is still to fork: K/V of every token but the last sampled
+    one, each fork sharing the prompt's full pages."""
+    own = pages_for_tokens(seq.max_tokens - 1, page_size)
+    return own + seq.forks * (own - seq.prompt_len // page_size)
 
 
 class ScheduledChunk(NamedTuple):
@@ -89,6 +109,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.admitted = 0  # requests admitted since start, and how many of them were `blocked` first
+        self.admitted_blocked = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,15 +118,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, request_id: str) -> Sequence | None:
-        """Takes the sequence out of the queues and frees its pages; None when unknown or already finished."""
+    def remove(self, request_id: str) -> list[Sequence]:
+        """Takes the request's unfinished samples out of the queues and frees their pages."""
+        removed = []
         for queue in (self.running, self.waiting):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(seq)
-                    return seq
-        return None
+            for seq in [s for s in queue if s.request_id == request_id]:
+                queue.remove(seq)
+                self._release(seq)
+                removed.append(seq)
+        return removed
 
     def finish(self, seq: Sequence) -> None:
         """Marks `seq` finished, drops it from the running set and frees its pages at once (cached pages stay)."""
@@ -113,9 +135,9 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.prefix.cache(seq.request_id, seq.token_ids, seq.num_computed, seq.cache)
+        self.prefix.cache(seq.key, seq.token_ids, seq.num_computed, seq.cache)
         self.prefix.detach(seq.cache)
-        self.pool.release(seq.request_id)
+        self.pool.release(seq.key)
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next step's chunks (prefill chunks first, then decodes), with their pages allocated."""
@@ -129,23 +151,26 @@ class Scheduler:
         while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             self.running.append(seq)
-            seq.num_computed = self.prefix.attach(seq.request_id, seq.token_ids[:seq.prompt_len], seq.cache)
+            self.admitted, self.admitted_blocked = self.admitted + 1, self.admitted_blocked + seq.blocked
+            seq.num_computed = self.prefix.attach(seq.key, seq.reusable, seq.cache)
             prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))
             budget -= prefills[-1].length
+        for seq in self.waiting:
+            seq.blocked = True
         chunks = prefills + decodes
         for chunk in chunks:
             end = chunk.start + chunk.length
             self.prefix.make_room(pages_for_tokens(end, self.pool.page_size) - len(self.pool.block_table(
-                chunk.seq.request_id)))
-            self.pool.ensure_capacity(chunk.seq.request_id, end)
+                chunk.seq.key)))
+            self.pool.ensure_capacity(chunk.seq.key, end)
         return chunks
 
     def _can_admit(self, seq: Sequence) -> bool:
-        if len(self.running) >= self.max_running:
+        if sum(1 + s.forks for s in self.running) + 1 + seq.forks > self.max_running:
             return False
         outstanding = sum(self._unallocated(s) for s in self.running)
         available = self.pool.num_free + self.prefix.evictable_pages
         return available - outstanding >= pages_needed(seq, self.pool.page_size)
 
     def _unallocated(self, seq: Sequence) -> int:
-        return pages_needed(seq, self.pool.page_size) - len(self.pool.block_table(seq.request_id))
+        return pages_needed(seq, self.pool.page_size) - len(self.pool.block_table(seq.key))

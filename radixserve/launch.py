@@ -222,6 +222,8 @@ class LaunchConfig(TransportSecurity):
     worker_port: int = setting(50053, "the model worker's gRPC port")
     metrics: bool = setting(True, "each service's Prometheus endpoint on its default port (9101-9103); "
                                   "--no-metrics turns them off, e.g. beside another stack")
+    otlp_traces_endpoint: str = setting("", "each service's --otlp-traces-endpoint (e.g. http://127.0.0.1:4317); "
+                                            "empty: the OTEL_* variables decide, and without them tracing is off")
 
 
 # Idle services stop in well under a second. This cuts a long drain short (the worker's and the router's grace is
@@ -249,7 +251,8 @@ def _start_all(stack: Stack, config: LaunchConfig) -> None:
     """kvcached, then the worker, then the router, each once it serves. Children run in their own process groups
     (process_group=0), so a terminal's Ctrl-C or a signal to the launcher's group reaches only the launcher."""
     kvcached, worker = f"127.0.0.1:{config.kvcached_port}", f"127.0.0.1:{config.worker_port}"
-    common = [] if config.metrics else ["--metrics-port", "0"]
+    common = ([] if config.metrics else ["--metrics-port", "0"]) + (
+        ["--otlp-traces-endpoint", config.otlp_traces_endpoint] if config.otlp_traces_endpoint else [])
     print(f"starting kvcached on {kvcached}", flush=True)
     stack.start("kvcached", config.kvcached_port, common, process_group=0)
     print(f"starting the model worker on {worker} (loading the model)", flush=True)

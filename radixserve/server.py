@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from prometheus_client import start_http_server
 
+from radixserve import tracing
 from radixserve.transport import PLAINTEXT, TokenInterceptor, TransportSecurity, server_credentials
 
 log = logging.getLogger("radixserve.server")
@@ -250,7 +251,7 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
                 grace_s: float = 10.0, components: Mapping[str, Callable[[], bool]] | None = None,
                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
                 security: TransportSecurity = PLAINTEXT,
-                also_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+                also_drain: Callable[[], Awaitable[None]] | None = None, traces_endpoint: str = "") -> None:
     """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`.
 
     Health and reflection are always served. `components` are extra health names (e.g. a cache tier) whose status
@@ -258,8 +259,10 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
     `max_message_bytes` and `max_concurrent_rpcs` bound the server (`make_server`). `security` (the process's
     config) says TLS or not, client certificates or not, and for an internal server the token it requires; the
     metrics endpoint follows its TLS settings (`radixserve.transport`). `also_drain` stops another listener of the
-    process (the router's HTTP API) together with this server, within the same grace.
+    process (the router's HTTP API) together with this server, within the same grace. `traces_endpoint` (the
+    process's `--otlp-traces-endpoint`) or the standard `OTEL_*` variables turn tracing on (`radixserve.tracing`).
     """
+    tracing.setup(name, traces_endpoint)
     services = list(services)
     server = make_server(max_message_bytes, max_concurrent_rpcs,
                          security.auth_token() if security.INTERNAL else "")
@@ -283,7 +286,8 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", extra={"service": name, "address": address, "metrics_port": metrics_port,
                                "tls": "mutual" if security.tls_client_auth else security.tls,
-                               "token": bool(security.INTERNAL and security.auth_token_file)})
+                               "token": bool(security.INTERNAL and security.auth_token_file),
+                               "tracing": tracing.enabled()})
     watch = asyncio.create_task(_watch_components(health_servicer, components or {}))
 
     stop = asyncio.Event()

@@ -37,7 +37,8 @@ async def run(config: RouterConfig) -> None:
     matcher = None
     if config.kvcached and not config.disable_radix_cache:
         matcher = PrefixMatcher(config.kvcached, config, config.kvcached_timeout_ms / 1e3,
-                                config.lease_ttl_ms, config.prefetch_policy, config.prefetch_timeout_ms / 1e3)
+                                config.lease_ttl_ms, config.prefetch_policy, config.prefetch_timeout_ms / 1e3,
+                                model.name)
     if matcher:
         log.info("Radix cache enabled", extra={"kvcached": config.kvcached,
                                                "prefetch_policy": str(config.prefetch_policy),
@@ -56,7 +57,8 @@ async def run(config: RouterConfig) -> None:
                     [ServiceSpec(RouterServicer(router), router_pb2_grpc.add_RouterServicer_to_server,
                                  "radixserve.v1.Router")],
                     grace_s=config.drain_grace_s, components={"": serving, "radixserve.v1.Router": serving},
-                    security=config, also_drain=http.cleanup if http is not None else None)
+                    security=config, also_drain=http.cleanup if http is not None else None,
+                    traces_endpoint=config.otlp_traces_endpoint)
     finally:
         watch.cancel()
 

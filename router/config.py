@@ -55,6 +55,8 @@ class RouterConfig(TransportSecurity):
                                       "(a turn costs a few tokens even when empty)")
     worker_wait_s: float = setting(300.0, "how long start-up waits for the workers to come up (model loading)")
     drain_grace_s: float = setting(10.0, "seconds running requests get to finish on SIGTERM")
+    otlp_traces_endpoint: str = setting("", "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty: "
+                                            "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without them tracing is off")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,7 +6,7 @@ responses in that API's shape. A parser checks only what JSON adds: that the bod
 and that integers fit their proto fields. Every value the router checks (the prompt, ranges, limits) is left to its
 validation, so HTTP and gRPC refuse the same requests with the same messages.
 
-Fields the engine cannot honour yet (n > 1, penalties, tools, ...) are in one table per API,
+Fields the engine cannot honour yet (penalties, tools, ...) are in one table per API,
 `*_NOT_YET`: null or a value that asks for nothing passes, anything else is a 400 `unsupported_parameter` naming the
 field. Supporting one is deleting its row and translating it in the parser. Any other field is ignored, as vLLM and
 SGLang do: clients send their own defaults of fields we have never heard of.
@@ -140,20 +140,20 @@ def parse_timeout(header: str | None) -> float | None:
 
 
 class Answer(Protocol):
-    """Renders one request's responses: `whole` the single response of an unstreamed request, `events` each
-    response of a streamed one (zero or more server-sent events; the server ends the stream with `[DONE]`).
-    `strings` holds at least the response's `logprob_token_ids`."""
+    """Renders one request's responses: `whole` the responses of an unstreamed request (one per sample, the last
+    with usage), `events` each response of a streamed one (zero or more server-sent events; the server ends the
+    stream with `[DONE]`). `strings` holds at least the responses' `logprob_token_ids`."""
 
     stream: bool
 
-    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict: ...
+    def whole(self, responses: Sequence[router_pb2.GenerateResponse], strings: TokenStrings) -> dict: ...
 
     def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]: ...
 
 
-def logprob_token_ids(response: router_pb2.GenerateResponse) -> set[int]:
-    """The tokens whose text rendering `response`'s logprobs needs: each chosen one and its alternatives."""
-    return {t.token_id for entry in response.logprobs for t in (entry, *entry.top)}
+def logprob_token_ids(*responses: router_pb2.GenerateResponse) -> set[int]:
+    """The tokens whose text rendering the responses' logprobs need: each chosen one and its alternatives."""
+    return {t.token_id for response in responses for entry in response.logprobs for t in (entry, *entry.top)}
 
 
 @dataclass(frozen=True)
@@ -164,14 +164,15 @@ class Call:
 
 
 NO_NAMES = FieldNames({})
-_OPENAI_SAMPLING = {f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "stop", "seed")}
+_OPENAI_SAMPLING = {f"sampling.{name}": name
+                    for name in ("temperature", "top_p", "top_k", "stop", "seed", "n", "stop_token_ids")}
 CHAT_NAMES = FieldNames({**_OPENAI_SAMPLING, "sampling.max_new_tokens": "max_tokens", "request_id": "X-Request-Id",
                          "sampling.logprobs": "logprobs", "sampling.top_logprobs": "top_logprobs"})
 COMPLETION_NAMES = FieldNames({**_OPENAI_SAMPLING, "sampling.max_new_tokens": "max_tokens", "text": "prompt",
                                "token_ids": "prompt", "request_id": "X-Request-Id",
                                "sampling.top_logprobs": "logprobs"})
 _SGLANG_SAMPLING = {f"sampling.{name}": f"sampling_params.{name}"
-                    for name in ("temperature", "top_p", "top_k", "stop", "max_new_tokens")}
+                    for name in ("temperature", "top_p", "top_k", "stop", "max_new_tokens", "stop_token_ids")}
 SGLANG_NAMES = FieldNames({**_SGLANG_SAMPLING, "sampling.seed": "sampling_params.sampling_seed",
                            "token_ids": "input_ids", "request_id": "rid", "sampling.logprobs": "return_logprob",
                            "sampling.top_logprobs": "top_logprobs_num"})
@@ -215,6 +216,16 @@ class _Fields:
         """An integer in [0, below): what the proto field can hold."""
         value = self.raw(field)
         return None if value is None else _integer(value, self.name(field), below)
+
+    def token_ids(self, field: str) -> list[int]:
+        """An array of token ids (say, `stop_token_ids`); empty when absent."""
+        value = self.raw(field)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise invalid(f"{self.name(field)} must be an array of token ids, not {_json_type(value)}",
+                          self.name(field))
+        return _token_ids(value, self.name(field))
 
     def strings(self, field: str) -> list[str]:
         """A string or an array of strings (say, `stop`); empty when absent."""
@@ -298,13 +309,15 @@ def _check_model(fields: _Fields, served: str) -> None:
 
 
 def _sampling(fields: _Fields, max_tokens: int | None, seed_field: str, **more: Any) -> router_pb2.SamplingParams:
-    """The sampling fields every API shares (the seed under its own name), and `more` (each API's constraint and
-    logprobs); unset stays unset (the router's defaults)."""
+    """The sampling fields every API shares (the seed under its own name; `n`, and vLLM's and SGLang's
+    `stop_token_ids`), and `more` (each API's constraint and logprobs); unset stays unset (the router's
+    defaults)."""
     off = fields.raw("top_k") == -1 and isinstance(fields.raw("top_k"), int)  # "off" in vLLM and SGLang
     return router_pb2.SamplingParams(
         temperature=fields.number("temperature"), top_p=fields.number("top_p"), max_new_tokens=max_tokens,
         top_k=None if off else fields.integer("top_k", UINT32), stop=fields.strings("stop"),
-        seed=fields.integer(seed_field, UINT64), ignore_eos=fields.boolean("ignore_eos"), **more)
+        seed=fields.integer(seed_field, UINT64), ignore_eos=fields.boolean("ignore_eos"),
+        n=fields.integer("n", UINT32), stop_token_ids=fields.token_ids("stop_token_ids"), **more)
 
 
 # A constraint as a request can set it: (the HTTP field, the router's SamplingParams field, the value; None: unset).
@@ -380,12 +393,12 @@ def _openai_common(fields: _Fields, served: str) -> tuple[str, bool, bool]:
 # Fields OpenAI defines that the engine cannot honour yet, with the values that ask for nothing (see the module
 # docstring). Penalties and logit_bias are sampling features the worker lacks; tools need a parser of tool calls.
 _PENALTIES = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},)}
-CHAT_NOT_YET = {"n": (1,), "tools": ([],), "functions": ([],), **_PENALTIES}
-COMPLETION_NOT_YET = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), **_PENALTIES}
+CHAT_NOT_YET = {"tools": ([],), "functions": ([],), **_PENALTIES}
+COMPLETION_NOT_YET = {"best_of": (1,), "echo": (False,), "suffix": ("",), **_PENALTIES}
 SGLANG_NOT_YET = {"image_data": (), "input_embeds": (), "lora_path": ()}
 SGLANG_SAMPLING_NOT_YET = {"n": (1,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
                            "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "min_p": (0, 0.0),
-                           "structural_tag": (), "stop_token_ids": ([],)}
+                           "structural_tag": ()}
 
 
 def parse_chat(body: Any, served: str, created: int) -> Call:
@@ -517,10 +530,21 @@ def _logprob(scored: router_pb2.Logprob | router_pb2.TokenLogprobs) -> float:
     return max(scored.logprob, MIN_LOGPROB)
 
 
+class _ChoiceStream:
+    """What a stream has sent of one choice: its role, its tokens' legacy text offset; tokens not yet sent."""
+
+    def __init__(self) -> None:
+        self.role_sent = False
+        self.pending: list[router_pb2.TokenLogprobs] = []  # tokens of responses that sent no chunk yet
+        self.pending_strings: dict[int, tuple[str, bytes]] = {}
+        self.offset = 0  # the legacy text_offset of the next token
+
+
 class OpenAIAnswer:
-    """Chat (`chat.completion`, `message`/`delta`) or text (`text_completion`, `text`) completions. A stream sends
-    the assistant role with the first delta, `finish_reason` with the last, and with `include_usage` a `usage`
-    field on every chunk (null) and a last chunk without choices that carries it.
+    """Chat (`chat.completion`, `message`/`delta`) or text (`text_completion`, `text`) completions, one choice per
+    sample (`n`). A stream sends each choice's assistant role with its first delta, its `finish_reason` with its
+    last, and with `include_usage` a `usage` field on every chunk (null) and a last chunk without choices that
+    carries it.
 
     With `logprobs`, a choice's `logprobs` are chat's `{"content": [{token, logprob, bytes, top_logprobs}]}` or
     the legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (offsets into the
@@ -534,52 +558,54 @@ class OpenAIAnswer:
         self._chat = chat
         self._logprobs = logprobs
         self._object = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
-        self._role_sent = False
-        self._pending: list[router_pb2.TokenLogprobs] = []  # tokens of responses that sent no chunk yet
-        self._pending_strings: dict[int, tuple[str, bytes]] = {}
-        self._offset = 0  # the legacy text_offset of the next token
+        self._choices: dict[int, _ChoiceStream] = {}
 
-    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict:
-        text = {"message": {"role": "assistant", "content": response.text}} if self._chat else {"text": response.text}
-        return {**self._head(response), "choices": [{"index": 0, **text,
-                                                     "logprobs": self._render(response.logprobs, strings),
-                                                     "finish_reason": response.finish_reason}],
-                "usage": _usage(response.usage)}
+    def whole(self, responses: Sequence[router_pb2.GenerateResponse], strings: TokenStrings) -> dict:
+        choices = []
+        for response in sorted(responses, key=lambda r: r.index):
+            text = ({"message": {"role": "assistant", "content": response.text}} if self._chat
+                    else {"text": response.text})
+            choices.append({"index": response.index, **text,
+                            "logprobs": self._render(response.logprobs, strings, _ChoiceStream()),
+                            "finish_reason": response.finish_reason})
+        return {**self._head(responses[-1]), "choices": choices, "usage": _usage(responses[-1].usage)}
 
     def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]:
-        self._pending.extend(response.logprobs)
-        self._pending_strings.update(strings)
+        choice = self._choices.setdefault(response.index, _ChoiceStream())
+        choice.pending.extend(response.logprobs)
+        choice.pending_strings.update(strings)
         if not (response.text or response.finish_reason):
             return []  # a token that completes no character yet
-        logprobs = self._render(self._pending, self._pending_strings)
-        self._pending, self._pending_strings = [], {}
-        choice = {"index": 0, **self._delta(response.text), "logprobs": logprobs,
-                  "finish_reason": response.finish_reason or None}
-        events = [{**self._head(response), "choices": [choice]}]
+        logprobs = self._render(choice.pending, choice.pending_strings, choice)
+        choice.pending, choice.pending_strings = [], {}
+        events = [{**self._head(response), "choices": [{
+            "index": response.index, **self._delta(response.text, choice), "logprobs": logprobs,
+            "finish_reason": response.finish_reason or None}]}]
         if self._include_usage:
             events[0]["usage"] = None
-            if response.finish_reason:
+            if response.HasField("usage"):  # the request's last response
                 events.append({**self._head(response), "choices": [], "usage": _usage(response.usage)})
         return events
 
-    def _render(self, entries: Sequence[router_pb2.TokenLogprobs], strings: TokenStrings) -> dict | None:
+    def _render(self, entries: Sequence[router_pb2.TokenLogprobs], strings: TokenStrings, choice: _ChoiceStream
+                ) -> dict | None:
         if not self._logprobs:
             return None
         if self._chat:
             return {"content": [{**_chat_token(e, strings), "top_logprobs": [_chat_token(t, strings) for t in e.top]}
                                 for e in entries]}
         tokens = [strings[e.token_id][0] for e in entries]
-        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offset))
-        self._offset = offsets[-1]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=choice.offset))
+        choice.offset = offsets[-1]
         return {"tokens": tokens, "token_logprobs": [_logprob(e) for e in entries],
                 "top_logprobs": [{strings[t.token_id][0]: _logprob(t) for t in (e, *e.top)} for e in entries],
                 "text_offset": offsets[:-1]}
 
-    def _delta(self, text: str) -> dict:
+    def _delta(self, text: str, choice: _ChoiceStream) -> dict:
         if not self._chat:
             return {"text": text}
-        delta = {"content": text} if self._role_sent else {"role": "assistant", "content": text}
-        self._role_sent = True
+        delta = {"content": text} if choice.role_sent else {"role": "assistant", "content": text}
+        choice.role_sent = True
         return {"delta": delta}
 
     def _head(self, response: router_pb2.GenerateResponse) -> dict:
@@ -611,7 +637,8 @@ class SGLangAnswer:
         self._token_logprobs: list[list] = []
         self._top_logprobs: list[list[list]] = []
 
-    def whole(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> dict:
+    def whole(self, responses: Sequence[router_pb2.GenerateResponse], strings: TokenStrings) -> dict:
+        (response,) = responses  # `n` is not supported here yet
         return self._render(response.text, list(response.token_ids), *self._scored(response, strings), response)
 
     def events(self, response: router_pb2.GenerateResponse, strings: TokenStrings) -> list[dict]:

@@ -32,6 +32,7 @@ from contextlib import aclosing
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from radixserve import tracing
 from radixserve.server import MAX_MESSAGE_BYTES, ServiceError
 from radixserve.v1 import router_pb2
 from router import http_protocol as protocol
@@ -94,13 +95,15 @@ class HttpApi:
         call = parse(protocol.parse_json(await _body(request)), self._router.model.name, int(time.time()))
         if not call.request.request_id:
             call.request.request_id = protocol.parse_request_id(request.headers.get("X-Request-Id"))
-        async with aclosing(self._router.generate(call.request, _time_remaining(request), tenant)) as responses:
+        async with aclosing(self._router.generate(call.request, _time_remaining(request), tenant,
+                                                  tracing.from_headers(request.headers))) as responses:
             try:
                 first = await anext(responses)
+                whole = [first, *[response async for response in responses]] if not call.answer.stream else []
             except ServiceError as e:  # before the first byte: the answer is the error, with its status
                 raise protocol.http_error(e, call.names) from None
-            if not call.answer.stream:
-                return web.json_response(call.answer.whole(first, await self._strings(first)), dumps=_dumps)
+            if whole:
+                return web.json_response(call.answer.whole(whole, await self._strings(*whole)), dumps=_dumps)
             stream = web.StreamResponse(headers=SSE_HEADERS)
             await stream.prepare(request)
             try:
@@ -114,9 +117,9 @@ class HttpApi:
             await stream.write(DONE)
             return stream
 
-    async def _strings(self, response: router_pb2.GenerateResponse) -> dict[int, tuple[str, bytes]]:
-        """The text and bytes of the tokens `response`'s logprobs name (none without logprobs)."""
-        return await self._router.token_strings(protocol.logprob_token_ids(response))
+    async def _strings(self, *responses: router_pb2.GenerateResponse) -> dict[int, tuple[str, bytes]]:
+        """The text and bytes of the tokens the responses' logprobs name (none without logprobs)."""
+        return await self._router.token_strings(protocol.logprob_token_ids(*responses))
 
 
 def _identify(router: Router, request: web.Request) -> str | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from radixserve import tracing
 from radixserve.transport import TransportSecurity, open_aio_channel
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, worker_pb2
 from router import metrics
@@ -49,7 +50,9 @@ class Reuse:
 
 class PrefixMatcher:
     def __init__(self, address: str, security: TransportSecurity, timeout_s: float, lease_ttl_ms: int,
-                 policy: PrefetchPolicy, prefetch_timeout_s: float):
+                 policy: PrefetchPolicy, prefetch_timeout_s: float, model: str):
+        """`model` labels the metrics."""
+        self._series = metrics.of(model)
         self._stub = kvcache_pb2_grpc.KVCacheStub(open_aio_channel(address, security))
         self._address = address
         self._releases: set[asyncio.Task] = set()  # in flight; a reference keeps each task alive
@@ -60,24 +63,32 @@ class PrefixMatcher:
 
     async def reuse(self, fingerprint: str, token_ids: list[int], cache_salt: str, deadline_s: float | None) -> Reuse:
         """The reusable prefix of `token_ids` in namespace `fingerprint`; `deadline_s` is the client's remaining
-        time (None: no deadline)."""
-        first = await self._match(fingerprint, token_ids, cache_salt, prefetch=True)
+        time (None: no deadline). With tracing on, the match and the prefetch wait are spans of the current trace."""
+        with tracing.span("router.prefix_match") as span:
+            first = await self._match(fingerprint, token_ids, cache_salt, prefetch=True)
+            if first is not None:
+                span.set_attributes({"radixserve.l2_pages": first.matched_pages, "radixserve.l3_pages": first.l3_pages,
+                                     "radixserve.prefetch_started": bool(first.prefetch_id)})
         if first is None:
             return Reuse(None)
         if not first.prefetch_id or self._policy is PrefetchPolicy.BEST_EFFORT:
             self._count_prefetch(first.l3_pages, loaded=0)
             return Reuse(_lease(first))
-        started = time.monotonic()
-        try:
-            await self._wait(first.prefetch_id, self._wait_budget(deadline_s), deadline_s)
-        finally:  # also when the client gives up while it waits
-            self.release_soon(first.lease_id)
-        waited = time.monotonic() - started
-        metrics.prefetch_wait_time.observe(waited)
-        second = await self._match(fingerprint, token_ids, cache_salt, prefetch=False)
+        with tracing.span("router.prefetch_wait", attributes={"radixserve.prefetch.policy": str(self._policy),
+                                                               "radixserve.l3_pages": first.l3_pages}) as span:
+            started = time.monotonic()
+            try:
+                await self._wait(first.prefetch_id, self._wait_budget(deadline_s), deadline_s)
+            finally:  # also when the client gives up while it waits
+                self.release_soon(first.lease_id)
+            waited = time.monotonic() - started
+            self._series.prefetch_wait_time.observe(waited)
+            second = await self._match(fingerprint, token_ids, cache_salt, prefetch=False)
+            loaded = 0 if second is None else max(0, second.matched_pages - first.matched_pages)
+            span.set_attributes({"radixserve.prefetch.pages_loaded": loaded,
+                                 "radixserve.prefetch.wait_ms": waited * 1e3})
         if second is None:
             return Reuse(None, prefetch_wait_s=waited)
-        loaded = max(0, second.matched_pages - first.matched_pages)
         self._count_prefetch(first.l3_pages, loaded)
         return Reuse(_lease(second), range(first.matched_pages, first.matched_pages + loaded), waited)
 
@@ -86,10 +97,9 @@ class PrefixMatcher:
             return self._prefetch_timeout_s
         return _capped(deadline_s)
 
-    @staticmethod
-    def _count_prefetch(l3_pages: int, loaded: int) -> None:
+    def _count_prefetch(self, l3_pages: int, loaded: int) -> None:
         if l3_pages:
-            (metrics.prefetch_hit if loaded >= l3_pages else metrics.prefetch_miss).inc()
+            (self._series.prefetch_hit if loaded >= l3_pages else self._series.prefetch_miss).inc()
 
     def release_soon(self, lease_id: str) -> None:
         """Releases `lease_id` (nothing when empty) on its own task, so a cancelled request still releases it; a
@@ -109,7 +119,7 @@ class PrefixMatcher:
     async def _wait(self, prefetch_id: str, budget_s: float, deadline_s: float | None) -> None:
         """Waits for the prefetch: `budget_s`, and under the `timeout` policy on past it while kvcached predicts the
         rest loads sooner than it would recompute (cost-aware), within the client's `deadline_s`."""
-        metrics.prefetch_queue_size.inc()
+        self._series.prefetch_queue_size.inc()
         cost_aware = self._policy is PrefetchPolicy.TIMEOUT
         call_s = _capped(deadline_s) if cost_aware else budget_s + self._timeout_s
         try:
@@ -117,7 +127,7 @@ class PrefixMatcher:
                                                       cost_aware=cost_aware)
             await self._call("wait_prefetch", self._stub.WaitPrefetch, request, call_s)
         finally:
-            metrics.prefetch_queue_size.dec()
+            self._series.prefetch_queue_size.dec()
 
     async def _release(self, lease_id: str) -> None:
         await self._call("release", self._stub.ReleaseLease, kvcache_pb2.ReleaseLeaseRequest(lease_id=lease_id),
@@ -126,11 +136,11 @@ class PrefixMatcher:
     async def _call(self, op: str, method, request, timeout_s: float, expected: grpc.StatusCode | None = None):
         """`method(request)`, or None after a failure; `expected` is a status that is no failure (None back)."""
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=tracing.outgoing())
         except grpc.aio.AioRpcError as e:
             if e.code() == expected:
                 return None
-            metrics.kvcached_errors.labels(op=op).inc()
+            self._series.kvcached_errors(op).inc()
             log.warning("kvcached call failed; recomputing what it would have served",
                         extra={"op": op, "kvcached": self._address, "code": e.code().name, "details": e.details()})
             return None

@@ -29,6 +29,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's and vLLM's bound (the 
 MAX_CONSTRAINT_CHARS = 65_536  # a regex, schema or grammar, or all choices together: compiling is bounded by it
 MAX_CHOICES = 256
 CONSTRAINTS = ("regex", "json_schema", "grammar", "choices")
+MAX_SAMPLES = 64  # sampling.n; a worker also refuses more than it runs at once (--max-running-requests)
+MAX_STOP_TOKEN_IDS = 64
 ECHO_CHARS = 40  # of a refused value quoted back in the message
 
 
@@ -117,6 +119,10 @@ def resolve_sampling(sampling: router_pb2.SamplingParams, prompt_len: int, limit
         raise invalid(f"prompt ({prompt_len} tokens) + sampling.max_new_tokens ({max_new}) exceeds the model "
                       f"context of {limits.max_context} tokens")
     _check_stop(sampling.stop, limits)
+    n = sampling.n if sampling.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise invalid(f"sampling.n must be in [1, {MAX_SAMPLES}], not {n}")
+    _check_stop_token_ids(sampling.stop_token_ids, limits)
     constraint = _checked_constraint(sampling)
     if constraint and sampling.ignore_eos:
         raise invalid(f"sampling.ignore_eos cannot be combined with sampling.{constraint}: the constraint decides "
@@ -129,7 +135,9 @@ def resolve_sampling(sampling: router_pb2.SamplingParams, prompt_len: int, limit
         regex=sampling.regex if sampling.HasField("regex") else None,
         json_schema=sampling.json_schema if sampling.HasField("json_schema") else None,
         grammar=sampling.grammar if sampling.HasField("grammar") else None, choices=sampling.choices,
-        logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs)
+        logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs, prompt_logprobs=sampling.prompt_logprobs,
+        n=n, stop_token_ids=sampling.stop_token_ids,
+        prompt_logprobs_start=_prompt_logprobs_start(sampling, prompt_len))
 
 
 def _checked_constraint(sampling: router_pb2.SamplingParams) -> str | None:
@@ -168,3 +176,22 @@ def _check_stop(stop: Sequence[str], limits: Limits) -> None:
             raise invalid("sampling.stop strings must not be empty")
         if len(s) > limits.max_stop_chars:
             raise invalid(f"sampling.stop[{i}] is {len(s)} characters; the limit is {limits.max_stop_chars}")
+
+
+def _check_stop_token_ids(ids: Sequence[int], limits: Limits) -> None:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"sampling.stop_token_ids has {len(ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+    if ids and max(ids) >= limits.vocab_size:
+        raise invalid(f"sampling.stop_token_ids must be in [0, {limits.vocab_size}), not {max(ids)}")
+
+
+def _prompt_logprobs_start(sampling: router_pb2.SamplingParams, prompt_len: int) -> int:
+    if not sampling.HasField("prompt_logprobs_start"):
+        return 1
+    if not sampling.prompt_logprobs:
+        raise invalid("sampling.prompt_logprobs_start needs sampling.prompt_logprobs")
+    start = sampling.prompt_logprobs_start
+    if not 1 <= start < prompt_len:
+        raise invalid(f"sampling.prompt_logprobs_start must be in [1, {prompt_len - 1}] for this prompt of "
+                      f"{prompt_len} tokens, not {start}")
+    return start

@@ -98,6 +98,23 @@ def test_chat_greedy_equals_grpc_and_streams_the_same_text(stack, client, model)
     assert all(c.usage is None for c in deltas) and all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_n_seeded_choices_equal_grpcs_samples_streamed_or_not(stack, client, model):
+    sampling = router_pb2.SamplingParams(temperature=1.0, seed=3, max_new_tokens=8, n=3)
+    expected = {r.index: r.text for r in stack.router().Generate(router_pb2.GenerateRequest(
+        messages=[router_pb2.ChatMessage(**m) for m in FRANCE], sampling=sampling), timeout=120)}
+    whole = client.chat.completions.create(model=model, messages=FRANCE, n=3, temperature=1.0, seed=3, max_tokens=8)
+    assert {c.index: c.message.content for c in whole.choices} == expected and len(set(expected.values())) > 1
+    assert whole.usage.completion_tokens > 8  # summed over the choices
+    chunks = list(client.chat.completions.create(model=model, messages=FRANCE, n=3, temperature=1.0, seed=3,
+                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert texts == expected and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(c.choices[0].finish_reason is not None for c in chunks[:-1]) == 3
+
+
 def test_completions_from_text_and_token_ids_equal_grpc(stack, client, model):
     prompt = "The capital of France is"
     expected = grpc_greedy(stack, text=prompt)
@@ -278,7 +295,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None,
      "top_logprobs must be in [0, 20]"),
     # not in the engine yet
-    ("/v1/chat/completions", {"messages": FRANCE, "n": 2}, 400, "n", "unsupported_parameter", "n = 2"),
+    ("/v1/chat/completions", {"messages": FRANCE, "n": 0}, 400, "n", None, "n must be in [1, 64], not 0"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter", "not supported yet"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter", "batch of 2 prompts"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 3}}, 400, "sampling_params.n", "unsupported_parameter",

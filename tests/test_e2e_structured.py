@@ -1,6 +1,6 @@
-"""Structured output and logprobs through real processes (kvcached, a worker with the real model, the router):
-constraints as clients send them (gRPC and grpcurl), logprobs and prompt scoring passed through, bad specs refused
-with INVALID_ARGUMENT while the stack keeps serving."""
+"""Structured output, logprobs and parallel sampling through real processes (kvcached, a worker with the real model,
+the router): constraints as clients send them (gRPC and grpcurl), logprobs and prompt scoring passed through, `n`
+samples and stop token ids, bad specs refused with INVALID_ARGUMENT while the stack keeps serving."""
 
 from __future__ import annotations
 
@@ -92,6 +92,41 @@ def test_logprobs_stream_with_their_tokens_and_prompt_scoring_agrees(stack):
     assert scores == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
 
 
+def by_index(replies: list[router_pb2.GenerateResponse]) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    for reply in replies:
+        tokens.setdefault(reply.index, []).extend(reply.token_ids)
+    return tokens
+
+
+def test_n_seeded_samples_are_reproducible_streamed_or_not_and_usage_sums_them(stack):
+    messages = [router_pb2.ChatMessage(role="system", content=document(102)),
+                router_pb2.ChatMessage(role="user", content="Tell me about the harbour.")]
+    sampling = router_pb2.SamplingParams(temperature=1.0, seed=5, max_new_tokens=8, n=4)
+    replies = generate(stack, messages=messages, sampling=sampling)
+    assert sorted(r.index for r in replies) == [0, 1, 2, 3] and all(r.finish_reason for r in replies)
+    assert [r.HasField("usage") for r in replies] == [False] * 3 + [True]
+    usage = replies[-1].usage
+    assert usage.completion_tokens == sum(len(r.token_ids) for r in replies) and usage.cached_tokens == 0
+    samples = by_index(replies)
+    assert len({tuple(tokens) for tokens in samples.values()}) > 1  # seed + i: the samples differ
+    streamed = generate(stack, stream=True, messages=messages, sampling=sampling)
+    assert by_index(streamed) == samples  # the prompt is cached now: a hit changes no sample
+    assert streamed[-1].usage.cached_tokens > 0 and streamed[-1].usage.prompt_tokens == usage.prompt_tokens
+    assert sorted(r.index for r in streamed if r.finish_reason) == [0, 1, 2, 3]
+
+
+def test_a_stop_token_id_ends_the_output_there(stack):
+    greedy = router_pb2.SamplingParams(temperature=0, max_new_tokens=12)
+    (free,) = generate(stack, messages=FRANCE, sampling=greedy)
+    stop = free.token_ids[2]
+    (stopped,) = generate(stack, messages=FRANCE, sampling=router_pb2.SamplingParams(
+        temperature=0, max_new_tokens=12, stop_token_ids=[stop]))
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids) == list(free.token_ids[:list(free.token_ids).index(stop) + 1])
+    assert free.text.startswith(stopped.text) and len(stopped.text) < len(free.text)
+
+
 TWO = router_pb2.SamplingParams(regex="a+", choices=["a"])
 BAD = [
     (router_pb2.SamplingParams(regex="[a-z]+("), "sampling.regex does not compile: Regex parsing error"),
@@ -110,6 +145,11 @@ BAD = [
     (router_pb2.SamplingParams(regex="a", ignore_eos=True), "sampling.ignore_eos cannot be combined"),
     (router_pb2.SamplingParams(logprobs=True, top_logprobs=21), "sampling.top_logprobs must be in [0, 20]"),
     (router_pb2.SamplingParams(top_logprobs=2), "sampling.top_logprobs needs sampling.logprobs"),
+    (router_pb2.SamplingParams(n=0), "sampling.n must be in [1, 64], not 0"),
+    (router_pb2.SamplingParams(prompt_logprobs_start=2), "sampling.prompt_logprobs_start needs sampling.prompt_log"),
+    (router_pb2.SamplingParams(prompt_logprobs=True, prompt_logprobs_start=99), "must be in [1, 36] for this prompt of 37 tokens"),
+    (router_pb2.SamplingParams(n=17), "n (17) exceeds the 16 sequences this worker runs at once"),
+    (router_pb2.SamplingParams(stop_token_ids=[10**6]), "sampling.stop_token_ids must be in [0, 49152)"),
 ]
 
 

@@ -4,6 +4,7 @@ the model's own prefill logits, and the real model in float32 for scoring agains
 from __future__ import annotations
 
 import json
+import dataclasses
 import re
 
 import pytest
@@ -98,6 +99,19 @@ def test_prompt_logprobs_are_the_same_chunked_batched_and_after_a_cache_hit(engi
     assert outputs[0].cached_tokens_l1 == 0  # scoring reuses no page: a cached page has no logits
     check_prompt_scores(engine, outputs, PROMPT)
     assert others[-1].finish_reason == "length"
+    engine.check_integrity()
+
+
+def test_scoring_from_a_start_reuses_the_prefix_before_it_and_scores_the_same(engine):
+    full = run(engine, PROMPT, SCORE)[0].prompt_logprobs  # also caches the prompt's pages
+    start = len(PROMPT) - 3
+    outputs = run(engine, PROMPT, dataclasses.replace(SCORE, prompt_logprobs_start=start))
+    page = engine.pool.page_size
+    assert outputs[0].cached_tokens_l1 == (start - 1) // page * page > 0
+    scores = outputs[0].prompt_logprobs
+    assert [s.token_id for s in scores] == PROMPT[start:]
+    assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in full[start - 1:]], abs=TOLERANCE)
+    assert [[t for t, _ in s.top] for s in scores] == [[t for t, _ in s.top] for s in full[start - 1:]]
     engine.check_integrity()
 
 

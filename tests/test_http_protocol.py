@@ -20,7 +20,7 @@ FIELDS = ["messages", "prompt", "text", "input_ids", "max_tokens", "max_completi
           "include_usage", "n", "logprobs", "response_format", "sampling_params", "rid", "ignore_eos", "model",
           "max_new_tokens", "role", "content", "type", "top_logprobs", "guided_json", "guided_regex", "guided_choice",
           "guided_grammar", "json_schema", "schema", "regex", "ebnf", "return_logprob", "top_logprobs_num",
-          "return_text_in_logprobs"]
+          "return_text_in_logprobs", "stop_token_ids"]
 SCALARS = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats()
            | st.text(max_size=5) | st.sampled_from(["\ud800", "m", "user", "text"]))
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
@@ -191,10 +191,44 @@ def test_sglang_logprobs_are_triples_accumulated_over_the_stream():
     assert meta["output_token_logprobs"] == [[-0.5, 1, "Hi"], [-1.5, 2, "\ufffd"], [-9999.0, 3, "!"]]
     assert meta["output_top_logprobs"] == [[[-2.0, 9, "Ho"]]] * 3
     whole = protocol.SGLangAnswer(stream=False, logprobs=True, top=False, with_text=False)
-    meta = whole.whole(scored_responses()[0], STRINGS)["meta_info"]
+    meta = whole.whole([scored_responses()[0]], STRINGS)["meta_info"]
     assert meta["output_token_logprobs"] == [[-0.5, 1, None]] and "output_top_logprobs" not in meta
 
 
 def test_logprob_token_ids_are_the_chosen_and_the_alternatives():
     assert protocol.logprob_token_ids(scored_responses()[0]) == {1, 9}
     assert protocol.logprob_token_ids(responses()[0]) == set()
+
+
+def sample(index: int, text: str, finish: str = "", usage: bool = False) -> router_pb2.GenerateResponse:
+    response = router_pb2.GenerateResponse(request_id="r", index=index, text=text, token_ids=[1], finish_reason=finish)
+    if usage:
+        response.usage.CopyFrom(router_pb2.Usage(prompt_tokens=5, completion_tokens=4))
+    return response
+
+
+def test_n_samples_are_one_choice_each_and_usage_comes_once():
+    whole = protocol.OpenAIAnswer("m", 7, stream=False, include_usage=False, chat=True, logprobs=False)
+    body = whole.whole([sample(1, "b", "stop"), sample(0, "a", "length", usage=True)], {})
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "length"), (1, "b", "stop")]
+    assert body["usage"]["completion_tokens"] == 4
+    streamed = protocol.OpenAIAnswer("m", 7, stream=True, include_usage=True, chat=True, logprobs=False)
+    events = [e for r in (sample(0, "a"), sample(1, "b"), sample(1, "c", "stop"), sample(0, "d", "stop", usage=True))
+              for e in streamed.events(r, {})]
+    choices = [(c["index"], c["delta"], c["finish_reason"]) for e in events for c in e["choices"]]
+    first = {"role": "assistant"}
+    assert choices == [(0, {**first, "content": "a"}, None), (1, {**first, "content": "b"}, None),
+                       (1, {"content": "c"}, "stop"), (0, {"content": "d"}, "stop")]
+    assert [e["usage"] for e in events] == [None] * 4 + [protocol._usage(sample(0, "", usage=True).usage)]
+
+
+def test_n_and_stop_token_ids_reach_the_router_and_its_errors_name_the_http_fields():
+    call = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 3, "stop_token_ids": [2, 7]},
+                               "m", 0)
+    assert call.request.sampling.n == 3 and list(call.request.sampling.stop_token_ids) == [2, 7]
+    assert call.names.translate("sampling.n must be in [1, 64], not 0") == ("n must be in [1, 64], not 0", "n")
+    sglang = protocol.parse_sglang({"text": "x", "sampling_params": {"stop_token_ids": [4]}}, "m", 0)
+    assert list(sglang.request.sampling.stop_token_ids) == [4]
+    with pytest.raises(protocol.HttpError, match=r"stop_token_ids\[1\] must be an integer"):
+        protocol.parse_completion({"prompt": "x", "stop_token_ids": [1, "a"]}, "m", 0)

@@ -24,8 +24,8 @@ Decisions (where this differs from SGLang, or SGLang leaves a choice):
   `state.messages()` the turns.
 - `select(name, choices)` ranks whole choices: each choice's token ids (Tokenize of the choice alone) after the
   prompt's are scored with `prompt_logprobs`, and the highest mean token logprob wins (SGLang's default,
-  token_length_normalized; ties: the first). The router reuses no cached prefix for a scoring request (cached
-  tokens have no logits), so a select costs one full prefill per choice.
+  token_length_normalized; ties: the first). Scoring starts at the choice (`prompt_logprobs_start`), so the
+  prompt's cached pages are reused: a select costs about one prefill of the choice's tokens per choice.
 - `gen(choices=...)` is the server's constrained decoding (token by token, greedy picks the likeliest first
   token; it reuses the cache), unlike SGLang, where it means `select`; `regex` and `json_schema` likewise.
 - Caching on purpose: see `interpreter` (fork and run_batch prime the shared prefix; `state.cached_tokens`).

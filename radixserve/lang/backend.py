@@ -49,6 +49,7 @@ class Completion:
 class Scored(NamedTuple):
     logprobs: list[float]
     prompt_tokens: int
+    cached_tokens: int
 
 
 class Router:
@@ -114,15 +115,16 @@ class Router:
         return (await self._tokenize(text=text))[self._lead:]
 
     async def logprobs_of(self, prefix_ids: Sequence[int], ids: Sequence[int]) -> Scored:
-        """The logprob of each of `ids` after `prefix_ids` (non-empty), by prompt scoring: the server reuses no
-        cached prefix for it."""
-        sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=True)
+        """The logprob of each of `ids` after `prefix_ids` (non-empty), by prompt scoring from the first of `ids`:
+        the server reuses the cached pages of `prefix_ids` for it."""
+        sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=True,
+                                             prompt_logprobs_start=len(prefix_ids))
         request = router_pb2.GenerateRequest(token_ids=[*prefix_ids, *ids], sampling=sampling, cache_salt=self._salt)
         with _translated():
             (response,) = [r async for r in self._stub.Generate(request, timeout=self._timeout_s)]
-        # entry i scores prompt token i + 1
-        return Scored([entry.logprob for entry in response.prompt_logprobs[len(prefix_ids) - 1:]],
-                      response.usage.prompt_tokens)
+        # entry i scores prompt token len(prefix_ids) + i
+        return Scored([entry.logprob for entry in response.prompt_logprobs], response.usage.prompt_tokens,
+                      response.usage.cached_tokens)
 
     async def prime(self, prompts: Sequence[Prompt]) -> Completion | None:
         """Computes the token prefix that all `prompts` share once, so that calls sent after it reuse it from the

@@ -191,6 +191,7 @@ class ProgramState:
         choices = await asyncio.gather(*map(self._backend.text_ids, op.choices))
         scored = await asyncio.gather(*(self._backend.logprobs_of(prefix, ids) for ids in choices))
         self.prompt_tokens += sum(s.prompt_tokens for s in scored)
+        self.cached_tokens += sum(s.cached_tokens for s in scored)
         scores = tuple(choice_score(s.logprobs) for s in scored)
         choice = op.choices[best_choice(scores)]
         self._transcript = self._transcript.append(choice)
