@@ -4,6 +4,9 @@ text cut from the corpus, so neither side finds the other's prefix cached.
 
 - constrained: decode tokens/s of greedy output under a JSON schema against the same prompts unconstrained (64
   tokens, ignore_eos), one request at a time, timed by the router (`timings`: after the first token to the last).
+- jump-forward: greedy output under a schema of long fixed keys, on a worker with jump-forward (the default) and on
+  one with `--disable-jump-forward` (each side with its own cache salt): output tokens/s and TTFT, and whether the
+  outputs are the same.
 - samples: `n` = 8 samples of one ~500-token prompt in one request against 8 concurrent requests of it (seeds 0..7,
   temperature 1, 32 tokens each, each side on a prompt the cache has never seen): wall time and the slowest TTFT.
 - http: a multi-turn chat (4 conversations of 4 rounds over a ~300-token system prompt, 16 greedy tokens per
@@ -48,13 +51,17 @@ def run(dtype: str) -> list[Row]:
     try:
         kvcached = services.kvcached()
         worker = services.worker(kvcached, args=["--dtype", dtype])
+        plain = services.worker(kvcached, "worker_plain", args=["--dtype", dtype, "--disable-jump-forward"])
         http_port = free_port()
         router = services.router([worker], kvcached, http_port=http_port)
-        with grpc.insecure_channel(router) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            _generate(stub, router_pb2.GenerateRequest(text="warm up", sampling=router_pb2.SamplingParams(
-                temperature=0, max_new_tokens=4)))
-            rows = [*constrained(stub), *samples(stub), *transports(stub, f"http://127.0.0.1:{http_port}")]
+        router_plain = services.router([plain], kvcached, "router_plain")
+        with grpc.insecure_channel(router) as channel, grpc.insecure_channel(router_plain) as plain_channel:
+            stub, plain_stub = router_pb2_grpc.RouterStub(channel), router_pb2_grpc.RouterStub(plain_channel)
+            for warm in (stub, plain_stub):
+                _generate(warm, router_pb2.GenerateRequest(text="warm up", sampling=router_pb2.SamplingParams(
+                    temperature=0, max_new_tokens=4)))
+            rows = [*constrained(stub), *jump_forward(stub, plain_stub), *samples(stub),
+                    *transports(stub, f"http://127.0.0.1:{http_port}")]
     except BaseException as e:
         e.add_note(f"process logs: {log_dir}")
         raise
@@ -88,6 +95,40 @@ def constrained(stub: router_pb2_grpc.RouterStub) -> list[Row]:
             rates[kind].append(_decode_rate(response))
     return [Row(f"decode tokens/s, greedy under a JSON schema vs unconstrained, mean of {len(rates['none'])}",
                 statistics.mean(rates["json_schema"]), statistics.mean(rates["none"]), "tokens/s", ">= 0.90x")]
+
+
+ACCOUNT = json.dumps({"type": "object", "properties": {
+    "customer_full_name": {"type": "string", "maxLength": 20},
+    "customer_account_number": {"type": "integer", "minimum": 0, "maximum": 99999},
+    "preferred_contact_channel": {"enum": ["electronic_mail", "telephone_call", "postal_letter"]},
+    "account_opening_year": {"type": "integer", "minimum": 1900, "maximum": 2026},
+    "is_premium_customer_account": {"type": "boolean"}},
+    "required": ["customer_full_name", "customer_account_number", "preferred_contact_channel",
+                 "account_opening_year", "is_premium_customer_account"]})
+
+
+def jump_forward(stub: router_pb2_grpc.RouterStub, plain_stub: router_pb2_grpc.RouterStub) -> list[Row]:
+    sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=160, json_schema=ACCOUNT)
+    results: dict[str, list[router_pb2.GenerateResponse]] = {"on": [], "off": []}
+    for i, ask in enumerate(ASKS * 2):
+        for side, side_stub in (("on", stub), ("off", plain_stub)):
+            messages = [router_pb2.ChatMessage(role="user", content=f"{ask} ({i})")]
+            (response,) = _generate(side_stub, router_pb2.GenerateRequest(messages=messages, sampling=sampling,
+                                                                          cache_salt=f"jump-forward {side}"))
+            json.loads(response.text)
+            results[side].append(response)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(results["on"], results["off"]))
+
+    def rate(side: str) -> float:
+        return (sum(r.usage.completion_tokens for r in results[side])
+                / sum(r.timings.e2e_ms / 1e3 for r in results[side]))
+
+    def ttft(side: str) -> float:
+        return statistics.mean(r.timings.ttft_ms for r in results[side])
+
+    label = f"greedy JSON, 5 long fixed keys, jump-forward on vs off ({same}/{len(results['on'])} outputs equal)"
+    return [Row(f"{label}: output tokens/s", rate("on"), rate("off"), "tokens/s", "> 1x"),
+            Row(f"{label}: TTFT", ttft("on"), ttft("off"), "ms", "~1x")]
 
 
 def samples(stub: router_pb2_grpc.RouterStub, n: int = 8) -> list[Row]:

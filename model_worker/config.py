@@ -37,6 +37,8 @@ class EngineConfig(TransportSecurity):
                                            "tokens in float32, ~45k in bfloat16)")
     kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT for the shared L2/L3 tiers; empty = L1 reuse only")
     kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
+    disable_jump_forward: bool = setting(False, "decode what a grammar forces token by token, instead of verifying "
+                                                "it as a draft in one forward (greedy constrained requests)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

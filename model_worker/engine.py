@@ -25,6 +25,12 @@ has no logits to score.
     logits rows of one step, per chunk:  | scored prompt chunk: one per position | sampling chunk: its last | ...
     row of position p scores token p + 1; the row of the prompt's last position samples the first output token
 
+Jump-forward: after each token of a greedy constrained sequence, the string its grammar forces next (a fixed key, a
+closing quote) is tokenized into a draft (`_propose`), and the next decode runs the sampled token and the draft in
+one forward, one logits row per position. Row j's masked argmax is what a decode step after draft[:j] would choose:
+draft tokens are taken while they agree with it, then its own choice (`_verify`); so the output is token-by-token
+greedy decoding's, in fewer forwards. `--disable-jump-forward` turns it off.
+
 A request of `n` samples is one sequence until its prefill ends; then it forks `n - 1` more (`_fork`), which share
 its prompt's full pages (a partial last page is copied) and its cached-path lease, and sample their first tokens
 from the same logits row. Sample i has its own generator (seeded `seed + i`, as vLLM seeds its child requests),
@@ -67,6 +73,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
 log = logging.getLogger("model_worker.engine")
+GREEDY_ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, generator=None)
 
 
 class Overloaded(RuntimeError):
@@ -118,10 +125,15 @@ def _scores_prompt(chunk: ScheduledChunk) -> bool:
     return chunk.seq.sampling.prompt_logprobs and chunk.start < chunk.seq.prompt_len
 
 
+def _drafts(chunk: ScheduledChunk) -> bool:
+    """The chunk runs past the sequence's known tokens, over its draft."""
+    return chunk.start + chunk.length > len(chunk.seq.token_ids)
+
+
 def _rows_of(chunk: ScheduledChunk) -> int:
-    """Logits rows `chunk` needs: one per position of a prompt chunk whose request scores its prompt, else one if it
-    samples."""
-    return chunk.length if _scores_prompt(chunk) else int(chunk.samples)
+    """Logits rows `chunk` needs: one per position of a prompt chunk whose request scores its prompt or of a decode
+    with a draft, else one if it samples."""
+    return chunk.length if _scores_prompt(chunk) or _drafts(chunk) else int(chunk.samples)
 
 
 class Engine:
@@ -315,7 +327,8 @@ class Engine:
         for chunk in chunks:
             seq, start = chunk.seq, chunk.start
             seq.scheduled_at = seq.scheduled_at or now
-            ids.extend(seq.token_ids[start:start + chunk.length])
+            known = seq.token_ids + seq.draft if _drafts(chunk) else seq.token_ids
+            ids.extend(known[start:start + chunk.length])
             positions.extend(range(start, start + chunk.length))
             logits_rows.extend(range(len(ids) - _rows_of(chunk), len(ids)))
         meta = self.backend.prepare(
@@ -329,12 +342,14 @@ class Engine:
     def _process(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
         """Scores prompt chunks that ask for it, samples, and advances every chunk's sequence (logits rows: module
         docstring)."""
-        sampling_chunks, sampling_rows, first = [], [], 0
+        sampling_chunks, sampling_rows, drafted, first = [], [], [], 0
         for chunk in chunks:
             n = _rows_of(chunk)
             if _scores_prompt(chunk) and n > chunk.samples and not chunk.seq.finished:
                 self._score_prompt(chunk, logits[first:first + n - chunk.samples])
-            if chunk.samples:
+            if _drafts(chunk):
+                drafted.append((chunk, logits[first:first + n]))
+            elif chunk.samples:
                 sampling_chunks.append(chunk)
                 sampling_rows.append(first + n - 1)
             first += n
@@ -361,6 +376,46 @@ class Engine:
                 self._fail(chunk.seq, f"the grammar refused token {token}, which its mask allowed")
             else:
                 self._append_token(chunk.seq, token, logprob)
+                self._propose(chunk.seq)
+        for chunk, rows in drafted:
+            if not chunk.seq.finished:
+                self._verify(chunk, rows)
+
+    def _propose(self, seq: Sequence) -> None:
+        """Jump-forward: the tokens of the string `seq`'s grammar forces next become its draft, which the next
+        decode verifies in the same forward (`_verify`). Greedy constrained sequences only: for them verifying is
+        exact; within the pages reserved for the sequence."""
+        if self.config.disable_jump_forward or seq.matcher is None or seq.generator is not None or seq.finished:
+            return
+        forced = seq.matcher.find_jump_forward_string()
+        if forced:
+            room = seq.max_tokens - 1 - len(seq.token_ids)
+            seq.draft = self.tokenizer.encode(forced, add_special_tokens=False)[:room]
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Greedy decoding over a decode chunk with a draft: row j's masked argmax is the token after draft[:j], as
+        one decode step would choose it. Draft tokens are taken while they agree; the first disagreeing choice, or
+        the choice after the whole draft, is taken too, and decoding continues from there (its K/V is not yet
+        computed)."""
+        seq = chunk.seq
+        draft, seq.draft = seq.draft, []
+        raw = torch.log_softmax(logits, dim=-1) if seq.sampling.logprobs else None  # a copy: masking changes logits
+        seq.num_computed = chunk.start + 1
+        for j in range(len(draft) + 1):
+            (token,) = sample(logits[j:j + 1], [GREEDY_ROW],
+                              lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
+            if token is None:
+                self._fail(seq, "sampling failed: the logits are not finite")
+                return
+            if not seq.matcher.accept_token(token):
+                self._fail(seq, f"the grammar refused token {token}, which its mask allowed")
+                return
+            logprob = None if raw is None else token_logprobs(raw[j:j + 1], [token], [seq.sampling.top_logprobs])[0]
+            self._append_token(seq, token, logprob)
+            if seq.finished or j == len(draft) or token != draft[j]:
+                break
+            seq.num_computed += 1
+        self._propose(seq)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The other samples of `seq`'s request, now that its prefill is done (module docstring); they run from
@@ -370,7 +425,7 @@ class Engine:
             sampling = seq.sampling
             seed = None if sampling.seed is None else (sampling.seed + index) % 2**64
             sample = dataclasses.replace(
-                seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[],
+                seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[], draft=[],
                 generator=make_generator(seed, self.device) if seq.generator is not None else None,
                 detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
                 cache=self.prefix.fork(seq.cache),

@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: which sequences run in the next forward, and how many tokens each.
 
 Per step (`schedule`):
-  1. every running sequence that has finished its prompt decodes 1 token (decode never waits for prefill);
+  1. every running sequence that has finished its prompt decodes 1 token, and its draft if it has one (decode never
+     waits for prefill);
   2. running sequences still in their prompt take prompt chunks, at most `chunked_prefill_size` tokens in all;
   3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` (a
      request of n samples counts n) and the page reservation allow; admission stops at the first that does not
@@ -59,6 +60,7 @@ class Sequence:
     grammar: CompiledGrammar | None = None  # a constrained request's compiled constraint
     matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
+    draft: list[int] = field(default_factory=list)  # tokens a grammar forces next, verified by the next forward
     index: int = 0  # which of the request's `sampling.n` samples this is
     forks: int = 0  # samples still to be forked from this one when its prefill ends (`Engine._fork`)
     blocked: bool = False  # a step passed it over: it waited in the queue for room (pages, batch, token budget)
@@ -88,7 +90,8 @@ def pages_needed(seq: Sequence, page_size: int) -> int:
 
 
 class ScheduledChunk(NamedTuple):
-    """`length` tokens of `seq` from position `start`; `samples` when the chunk ends the sequence's known tokens."""
+    """`length` tokens of `seq` from position `start`; `samples` when the chunk reaches the end of the sequence's
+    known tokens (a decode with a draft runs past it, over the draft)."""
 
     seq: Sequence
     start: int
@@ -98,7 +101,7 @@ class ScheduledChunk(NamedTuple):
 
 def chunk_of(seq: Sequence, length: int) -> ScheduledChunk:
     start = seq.num_computed
-    return ScheduledChunk(seq, start, length, start + length == len(seq.token_ids))
+    return ScheduledChunk(seq, start, length, start + length >= len(seq.token_ids))
 
 
 class Scheduler:
@@ -141,7 +144,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next step's chunks (prefill chunks first, then decodes), with their pages allocated."""
-        decodes = [chunk_of(s, 1) for s in self.running if s.num_computed >= s.prompt_len]
+        decodes = [chunk_of(s, 1 + len(s.draft)) for s in self.running if s.num_computed >= s.prompt_len]
         prefills: list[ScheduledChunk] = []
         budget = self.chunked_prefill_size
         for seq in self.running:

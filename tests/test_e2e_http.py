@@ -19,6 +19,7 @@ import openai
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.launch import wait_for
 from radixserve.v1 import router_pb2, worker_pb2
@@ -399,10 +400,12 @@ def test_overload_is_429_with_retry_after(stack, client, model):
 
 
 def metric(stack, name: str) -> float:
-    for line in httpx.get(stack.http_url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
+    """The series `name` that the router's /metrics serves, summed over its labels (the model)."""
+    text = httpx.get(stack.http_url + "/metrics", timeout=30).text
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+    if not values:
+        raise AssertionError(f"no metric {name}")
+    return sum(values)
 
 
 def test_no_worker_is_503_on_health_and_generate(stack, client, model):

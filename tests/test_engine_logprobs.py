@@ -1,10 +1,10 @@
-"""Logprobs, prompt scoring and constrained decoding in the engine: tiny random-weight Llama for exactness against
-the model's own prefill logits, and the real model in float32 for scoring against generation."""
+"""Logprobs, prompt scoring and constrained decoding (with jump-forward) in the engine: tiny random-weight Llama for
+exactness against the model's own prefill logits, and the real model in float32 for scoring against generation."""
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import re
 
 import pytest
@@ -113,6 +113,38 @@ def test_scoring_from_a_start_reuses_the_prefix_before_it_and_scores_the_same(en
     assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in full[start - 1:]], abs=TOLERANCE)
     assert [[t for t, _ in s.top] for s in scores] == [[t for t, _ in s.top] for s in full[start - 1:]]
     engine.check_integrity()
+
+
+ACCOUNT = {"type": "object", "properties": {"customer_name": {"type": "string", "maxLength": 6},
+                                            "account_number": {"type": "integer", "minimum": 0, "maximum": 999},
+                                            "preferred_contact_channel": {"enum": ["email", "telephone"]}},
+           "required": ["customer_name", "account_number", "preferred_contact_channel"]}
+
+
+def test_jump_forward_takes_what_the_grammar_forces_in_fewer_forwards_with_the_same_output(tiny_llama_dir):
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=80, logprobs=True, top_logprobs=2,
+                              constraint=Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(ACCOUNT)))
+    results = {}
+    for jump in (True, False):
+        engine = make_engine(tiny_llama_dir, disable_jump_forward=not jump)
+        forwards = 0
+        model = engine.model
+
+        def counted(*args, model=model):
+            nonlocal forwards
+            forwards += 1
+            return model(*args)
+
+        engine.model = counted
+        outputs = run(engine, PROMPT, sampling)
+        engine.check_integrity()
+        results[jump] = (generated(outputs), [lp for o in outputs for lp in o.logprobs], forwards)
+    (tokens, logprobs, forwards), (plain_tokens, plain_logprobs, plain_forwards) = results[True], results[False]
+    assert tokens == plain_tokens and len(tokens) == plain_forwards  # one forward per token without jump-forward
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in plain_logprobs], abs=TOLERANCE)
+    assert forwards <= plain_forwards - 15  # the three keys and their quotes are forced: ~25 tokens
+    text = make_engine(tiny_llama_dir).tokenizer.decode(tokens[:-1])
+    assert set(json.loads(text)) == set(ACCOUNT["properties"])
 
 
 YES_NO = SamplingParams(temperature=0.0, max_new_tokens=16, constraint=Constraint(ConstraintKind.REGEX, "(yes|no)"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from model_worker.engine import Engine
 from model_worker.metrics import EngineCollector
@@ -89,6 +89,7 @@ def test_engine_metrics_report_the_pool(engine):
     run(engine, "a", PROMPT_A)
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))
-    text = generate_latest(registry).decode()
-    assert "radixserve_worker_l1_pages_cached 11.0" in text and "radixserve_worker_running_requests 0.0" in text
-    assert "radixserve_worker_l1_pages_total 64.0" in text
+    model = {"model": engine.info.name}
+    assert registry.get_sample_value("radixserve_worker_l1_pages_cached", model) == 11.0
+    assert registry.get_sample_value("radixserve_worker_running_requests", model) == 0.0
+    assert registry.get_sample_value("radixserve_worker_l1_pages_total", model) == 64.0
