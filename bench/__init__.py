@@ -2,6 +2,10 @@
 
 import os
 import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +13,7 @@ import torch
 
 from model_worker.config import DType
 from model_worker.engine import resolve_dtype
+from radixserve.launch import LocalServices
 
 
 @dataclass(frozen=True)
@@ -44,3 +49,19 @@ def engine_device() -> torch.device:
 def resolved_dtype(name: str = "auto") -> str:
     """The dtype a worker started with `--dtype name` runs in on this machine, e.g. "float32"."""
     return str(resolve_dtype(DType(name), engine_device())).removeprefix("torch.")
+
+
+@contextmanager
+def local_services(name: str) -> Iterator[LocalServices]:
+    """Services started in the block and stopped after it, their logs in a fresh directory: removed after a clean
+    run, named in the error of a failed one."""
+    log_dir = Path(tempfile.mkdtemp(prefix=f"radixserve-bench-{name}-"))
+    services = LocalServices(log_dir)
+    try:
+        yield services
+    except BaseException as e:
+        e.add_note(f"process logs: {log_dir}")
+        raise
+    finally:
+        services.stop()
+    shutil.rmtree(log_dir)

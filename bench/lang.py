@@ -15,18 +15,15 @@ out), cached-token ratio (cached / prompt tokens over every call, priming includ
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 
-from bench import Row
+from bench import Row, local_services
 from radixserve.lang import Router, assistant, function, gen, select, system, user
-from radixserve.launch import LocalServices
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -159,23 +156,14 @@ def classifier_rows(backend: Router, calls: _Calls, shots: list[str], passages: 
 
 
 def run(dtype: str) -> list[Row]:
-    log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-lang-"))
-    services = LocalServices(log_dir)
-    try:
+    with local_services("lang") as services:
         kvcached = services.kvcached()
         router = services.router([services.worker(kvcached, args=["--dtype", dtype])], kvcached)
         texts = _texts()
         with Router(router) as backend:
-            rows = [*document_rows(backend, _Calls(router), texts.documents),
+            return [*document_rows(backend, _Calls(router), texts.documents),
                     *classifier_rows(backend, _Calls(router), texts.shots[:2], texts.passages[:2], scoring=True),
                     *classifier_rows(backend, _Calls(router), texts.shots[2:], texts.passages[2:], scoring=False)]
-    except BaseException as e:
-        e.add_note(f"process logs: {log_dir}")
-        raise
-    finally:
-        services.stop()
-    shutil.rmtree(log_dir)
-    return rows
 
 
 if __name__ == "__main__":

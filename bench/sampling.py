@@ -17,9 +17,7 @@ text cut from the corpus, so neither side finds the other's prefix cached.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +25,8 @@ from pathlib import Path
 import grpc
 import httpx2 as httpx
 
-from bench import Row
-from radixserve.launch import LocalServices, free_port
+from bench import Row, local_services
+from radixserve.launch import free_port
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -46,9 +44,7 @@ def _text(start: int, words: int) -> str:
 
 
 def run(dtype: str) -> list[Row]:
-    log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-"))
-    services = LocalServices(log_dir)
-    try:
+    with local_services("sampling") as services:
         kvcached = services.kvcached()
         worker = services.worker(kvcached, args=["--dtype", dtype])
         plain = services.worker(kvcached, "worker_plain", args=["--dtype", dtype, "--disable-jump-forward"])
@@ -60,15 +56,8 @@ def run(dtype: str) -> list[Row]:
             for warm in (stub, plain_stub):
                 _generate(warm, router_pb2.GenerateRequest(text="warm up", sampling=router_pb2.SamplingParams(
                     temperature=0, max_new_tokens=4)))
-            rows = [*constrained(stub), *jump_forward(stub, plain_stub), *samples(stub),
+            return [*constrained(stub), *jump_forward(stub, plain_stub), *samples(stub),
                     *transports(stub, f"http://127.0.0.1:{http_port}")]
-    except BaseException as e:
-        e.add_note(f"process logs: {log_dir}")
-        raise
-    finally:
-        services.stop()
-    shutil.rmtree(log_dir)
-    return rows
 
 
 def _generate(stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest
