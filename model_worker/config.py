@@ -22,8 +22,8 @@ class DType(Choice):
 class EngineConfig(TransportSecurity):
     """How the engine batches, how much KV it holds, and where the shared tier is and how to reach it."""
 
-    dtype: DType = setting(DType.AUTO, "auto = bfloat16 where the GPU or CPU computes it natively (CUDA, "
-                                       "AVX512-BF16/AMX), else float32")
+    dtype: DType = setting(DType.AUTO, "auto = bfloat16 on a CUDA GPU that supports it, float32 on CPUs (bf16 "
+                                       "is slower there and changes outputs with a cache hit)")
     page_size: int = setting(16, "tokens per KV page (the cache block); 16 balances match granularity against "
                                  "per-page overhead")
     max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")

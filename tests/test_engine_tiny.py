@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model_worker.config import DType, EngineConfig
-from model_worker.engine import Engine, cpu_supports_bf16, resolve_dtype
+from model_worker.engine import Engine, resolve_dtype
 from model_worker.request import RequestOutput, SamplingParams
 from tests.engine_helpers import GREEDY, make_engine, prefill_logits, run_until_idle
 
@@ -173,8 +173,7 @@ def test_info(engine, tiny_llama_dir, tokenizer):
 
 
 def test_config_validation_and_auto_dtype():
-    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
-    assert resolve_dtype(DType.AUTO, torch.device("cpu")) is expected
+    assert resolve_dtype(DType.AUTO, torch.device("cpu")) is torch.float32
     assert EngineConfig(dtype="bfloat16").dtype is DType.BFLOAT16
     for bad in (dict(dtype="float16"), dict(page_size=0), dict(num_pages=0, l1_cache_size_gb=0)):
         with pytest.raises(ValueError):
