@@ -370,18 +370,23 @@ class Engine:
             logits = logits[sampling_rows]
         tokens, logprobs = self._sample(sampling_chunks, logits) if sampling_chunks else ([], [])
         for chunk, token, logprob in zip(sampling_chunks, tokens, logprobs):
-            if chunk.seq.finished:
-                continue
-            if token is None:
-                self._fail(chunk.seq, "sampling failed: the logits are not finite")
-            elif chunk.seq.matcher is not None and not chunk.seq.matcher.accept_token(token):
-                self._fail(chunk.seq, f"the grammar refused token {token}, which its mask allowed")
-            else:
-                self._append_token(chunk.seq, token, logprob)
+            if not chunk.seq.finished and self._take(chunk.seq, token, logprob):
                 self._propose(chunk.seq)
         for chunk, rows in drafted:
             if not chunk.seq.finished:
                 self._verify(chunk, rows)
+
+    def _take(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None) -> bool:
+        """Appends a sampled token once its grammar accepts it; a token that could not be sampled (None: the logits
+        are not finite) or that the grammar refuses fails `seq` instead. Whether it was taken."""
+        if token is None:
+            self._fail(seq, "sampling failed: the logits are not finite")
+            return False
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            self._fail(seq, f"the grammar refused token {token}, which its mask allowed")
+            return False
+        self._append_token(seq, token, logprob)
+        return True
 
     def _propose(self, seq: Sequence) -> None:
         """Jump-forward: the tokens of the string `seq`'s grammar forces next become its draft, which the next
@@ -406,14 +411,10 @@ class Engine:
         for j in range(len(draft) + 1):
             (token,) = sample(logits[j:j + 1], [GREEDY_ROW],
                               lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
-            if token is None:
-                self._fail(seq, "sampling failed: the logits are not finite")
+            logprob = (None if raw is None or token is None
+                       else token_logprobs(raw[j:j + 1], [token], [seq.sampling.top_logprobs])[0])
+            if not self._take(seq, token, logprob):
                 return
-            if not seq.matcher.accept_token(token):
-                self._fail(seq, f"the grammar refused token {token}, which its mask allowed")
-                return
-            logprob = None if raw is None else token_logprobs(raw[j:j + 1], [token], [seq.sampling.top_logprobs])[0]
-            self._append_token(seq, token, logprob)
             if seq.finished or j == len(draft) or token != draft[j]:
                 break
             seq.num_computed += 1
