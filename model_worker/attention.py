@@ -84,7 +84,16 @@ class SdpaMetadata:
 
 
 class SdpaBackend(AttentionBackend):
-    """`torch.nn.functional.scaled_dot_product_attention` over K/V gathered from the pool's pages."""
+    """`torch.nn.functional.scaled_dot_product_attention` over K/V gathered from the pool's pages.
+
+    Gathers land in two buffers reused by every layer and call (grown when a step needs more pages): a fresh
+    tensor per gather cost 3-4x more here, most of it the first touches of newly mapped memory. A layer's attention
+    consumes its gather before the next one overwrites it.
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        self._gathered = (pool.k_layers[0][:0].clone(), pool.v_layers[0][:0].clone())
 
     def prepare(self, chunks: list[Chunk]) -> SdpaMetadata:
         device = self.pool.kv.device
@@ -153,18 +162,27 @@ class SdpaBackend(AttentionBackend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
+    def _gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [*pages.shape, page_size, kv_heads, dim] of `layer`'s `pages`, in the reused buffers."""
+        flat = pages.flatten()
+        if len(flat) > len(self._gathered[0]):
+            self._gathered = tuple(buf.new_empty((len(flat), *buf.shape[1:])) for buf in self._gathered)
+        k_buf, v_buf = (buf[:len(flat)] for buf in self._gathered)
+        torch.index_select(self.pool.k_layers[layer], 0, flat, out=k_buf)
+        torch.index_select(self.pool.v_layers[layer], 0, flat, out=v_buf)
+        shape = (*pages.shape, *k_buf.shape[1:])
+        return k_buf.view(shape), v_buf.view(shape)
+
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: PrefillPart) -> torch.Tensor:
         if part.pages is not None:
-            k = self.pool.k_layers[layer][part.pages].flatten(0, 1)[:part.context]
-            v = self.pool.v_layers[layer][part.pages].flatten(0, 1)[:part.context]
+            k, v = (t.flatten(0, 1)[:part.context] for t in self._gather(layer, part.pages))
         out = self._sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], part.mask,
                          causal=part.pages is None)
         return out[0].transpose(0, 1)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: SdpaMetadata) -> torch.Tensor:
         batch = q.shape[0]
-        k = self.pool.k_layers[layer][meta.decode_pages].flatten(1, 2)[:, :meta.decode_context]
-        v = self.pool.v_layers[layer][meta.decode_pages].flatten(1, 2)[:, :meta.decode_context]
+        k, v = (t.flatten(1, 2)[:, :meta.decode_context] for t in self._gather(layer, meta.decode_pages))
         out = self._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), meta.decode_mask, causal=False)
         return out.view(batch, -1)
 

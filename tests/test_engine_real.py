@@ -5,7 +5,7 @@ import torch
 
 from model_worker.config import EngineConfig
 from model_worker.engine import Engine
-from model_worker.model import UpcastLinear
+from model_worker.model import PackedLinear, UpcastLinear
 from model_worker.request import SamplingParams
 from tests.engine_helpers import prefill_logits
 
@@ -71,6 +71,11 @@ def test_prefill_logits_match_transformers(real_engines, hf_models, prompts, dty
     got = prefill_logits(engine, prompt, chunk=len(prompt))
     max_diff = (got - expected).abs().max().item()
     tolerance = 1e-5 if dtype == "float32" else 1e-2
+    if any(isinstance(m, PackedLinear) for m in engine.model.modules()):
+        # oneDNN's GEMM sums in another order than HF's MKL: 1.4e-4 measured, where HF itself moves by 8.6e-5 when
+        # the prompt is batched with another; a real bug moves logits by far more than this bound
+        tolerance = 5e-4
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
     if any(isinstance(m, UpcastLinear) for m in engine.model.modules()):
         # bf16 GEMMs computed in float32 (CPU without native bf16): only the summation order differs from HF, so
         # we must stay within bf16's own noise, i.e. about as far from float32 as HF's bf16 is.

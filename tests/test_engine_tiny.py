@@ -39,7 +39,7 @@ def test_logits_match_transformers(request, model_fixture, chunk):
 
 def test_qwen2_has_qkv_bias(tiny_qwen2_dir):
     attention = make_engine(tiny_qwen2_dir).model.model.layers[0].self_attn
-    assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+    assert attention.qkv_proj.bias is not None and attention.o_proj.bias is None
 
 
 def test_greedy_matches_transformers_generate(engine, tiny_llama_dir):
@@ -225,6 +225,23 @@ def test_upcast_linear_is_exact_for_gemv_rows_and_close_beyond():
     for rows, tolerance in ((1, 0.0), (2, 0.0), (9, 2e-2)):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), atol=tolerance, rtol=tolerance)
-    assert linear_class(torch.float32, torch.device("cpu")) is torch.nn.Linear
     expected = torch.nn.Linear if cpu_supports_bf16() else UpcastLinear
     assert linear_class(torch.bfloat16, torch.device("cpu")) is expected
+
+
+def test_packed_linear_is_exact_for_one_row_and_close_beyond():
+    from torch.nn import functional as F
+
+    from model_worker.model import PackedLinear, linear_class
+
+    torch.manual_seed(0)
+    linear = PackedLinear(64, 48)
+    linear.pack()
+    for rows, tolerance in ((1, 0.0), (2, 1e-5), (4, 1e-5), (130, 1e-5)):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias), atol=tolerance, rtol=tolerance)
+    with torch.no_grad():
+        linear.weight.zero_()  # rows >= 2 read the packed copy, made before this
+    x = torch.randn(3, 64)
+    assert not torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
+    assert linear_class(torch.float32, torch.device("cpu")) is PackedLinear
