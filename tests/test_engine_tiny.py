@@ -1,5 +1,7 @@
 """Our model and engine on tiny random-weight Llama and Qwen2 models, against transformers in float32."""
 
+import os
+
 import pytest
 import torch
 
@@ -245,3 +247,18 @@ def test_packed_linear_is_exact_for_one_row_and_close_beyond():
     x = torch.randn(3, 64)
     assert not torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
     assert linear_class(torch.float32, torch.device("cpu")) is PackedLinear
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"), reason="needs 2+ threads")
+def test_release_openmp_threads_frees_the_callers_team():
+    """`Engine.start` frees the starting thread's OpenMP team, so that libgomp does not throttle the step thread's
+    (see `release_openmp_threads`)."""
+    from model_worker.engine import release_openmp_threads
+
+    def threads() -> int:
+        (torch.ones(2_000_000) + 1).sum()  # a parallel region on this thread: its team exists
+        return len(os.listdir("/proc/self/task"))
+
+    with_team = threads()
+    release_openmp_threads()
+    assert len(os.listdir("/proc/self/task")) == with_team - (torch.get_num_threads() - 1)
