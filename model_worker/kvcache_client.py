@@ -37,6 +37,7 @@ import torch
 from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy, slab_blocks
 from radixserve import tracing
+from radixserve.priority import lower_current_thread_priority
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.blocks.slab import SlabSegment
 from radixserve.transport import TransportSecurity, open_channel
@@ -191,6 +192,7 @@ class KVCacheClient:
                 pass
 
     def _run(self) -> None:
+        lower_current_thread_priority()  # commits, releases and heartbeats: no request waits for them
         while True:
             try:
                 job = self._jobs.get(timeout=HEARTBEAT_S)

@@ -67,6 +67,7 @@ import lmdb
 import xxhash
 
 from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
+from radixserve.priority import lower_current_thread_priority
 
 log = logging.getLogger("kvcached.tiers.lmdb")
 
@@ -331,7 +332,9 @@ class DiskTier:
     # ---- writer thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP."""
+        """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP. At background
+        priority: no request waits for a write."""
+        lower_current_thread_priority()
         while True:
             ops = self._drain()
             try:

@@ -1,0 +1,26 @@
+"""Background threads run at a lower CPU priority than the threads serving requests (`radixserve.priority`)."""
+
+import os
+import threading
+
+import pytest
+
+from radixserve.priority import BACKGROUND_NICE, lower_current_thread_priority
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
+def test_only_the_calling_thread_is_lowered():
+    seen = {}
+
+    def background() -> None:
+        lower_current_thread_priority()
+        seen["background"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if before != 0:
+        pytest.skip(f"the tests run at nice {before}, not 0")
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["background"] == BACKGROUND_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
