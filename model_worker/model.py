@@ -6,7 +6,8 @@ up. Two fusions halve the GEMM calls: q/k/v are one projection (`qkv_proj`) and 
 their weights concatenated at load (`fuse_projections`); each output column is the same dot product as HF's. RoPE
 rotates q and k in one pass with a sine table whose first half is negated (`rope_tables`), which is HF's
 `x * cos + rotate_half(x) * sin` exactly. Other module names equal HF's.
-One deliberate exception, chosen once at load: bfloat16 on a CPU without native bf16 GEMM uses `UpcastLinear`.
+Two linear kernels are chosen once at load and sum in another order than HF's: float32 on a CPU uses `PackedLinear`
+(oneDNN from 2 rows; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
 
 Tokens of several sequences are flattened: `forward(input_ids [T], positions [T], meta, logits_rows [N])` returns
 float32 logits [N, vocab] for the chosen rows only (the last token of each sequence that samples this step).
