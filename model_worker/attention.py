@@ -86,9 +86,10 @@ class SdpaMetadata:
 class SdpaBackend(AttentionBackend):
     """`torch.nn.functional.scaled_dot_product_attention` over K/V gathered from the pool's pages.
 
-    Gathers land in two buffers reused by every layer and call (grown when a step needs more pages): a fresh
-    tensor per gather cost 3-4x more here, most of it the first touches of newly mapped memory. A layer's attention
-    consumes its gather before the next one overwrites it.
+    Gathers land in two buffers reused by every layer and call, doubled when a step needs more pages (a context
+    grows a page at a time, so exact growth would reallocate every 16 decode steps): a fresh tensor per gather cost
+    6.5 ms a step against 1.6 ms (batch 4, 17 pages each, 30 layers). A layer's attention consumes its gather before
+    the next one overwrites it.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -166,7 +167,8 @@ class SdpaBackend(AttentionBackend):
         """K and V [*pages.shape, page_size, kv_heads, dim] of `layer`'s `pages`, in the reused buffers."""
         flat = pages.flatten()
         if len(flat) > len(self._gathered[0]):
-            self._gathered = tuple(buf.new_empty((len(flat), *buf.shape[1:])) for buf in self._gathered)
+            size = max(len(flat), 2 * len(self._gathered[0]))
+            self._gathered = tuple(buf.new_empty((size, *buf.shape[1:])) for buf in self._gathered)
         k_buf, v_buf = (buf[:len(flat)] for buf in self._gathered)
         torch.index_select(self.pool.k_layers[layer], 0, flat, out=k_buf)
         torch.index_select(self.pool.v_layers[layer], 0, flat, out=v_buf)
