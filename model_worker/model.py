@@ -136,9 +136,9 @@ class PackedLinear(nn.Linear):
     """A float32 Linear on a CPU with oneDNN. Two or more rows multiply by the weight packed once into oneDNN's
     layout (`pack`, which `load_model` calls), one row by the plain weight (MKL's GEMV).
 
-    Measured on the model's shapes, 2 cores: at 2-8 rows MKL's GEMM repacks the weight on every call and runs up
-    to 1.4x slower than the packed oneDNN kernel (decode, batch 4: 75 vs 55 ms a step). The two are equal from about
-    100 rows on. At one row MKL is ~7% faster. Both copies are kept, so the weights take twice the memory.
+    Measured on the model's shapes, 2 cores: at 2-8 rows MKL's GEMM runs up to 1.4x slower than the packed oneDNN
+    kernel (decode, batch 4: 75 vs 55 ms a step); from about 100 rows on oneDNN is as fast or a little faster. At
+    one row MKL is ~7% faster. Both copies are kept, so the weights take twice the memory.
     """
 
     packed: torch.Tensor
@@ -192,12 +192,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, shape: ModelShape, linear: type[nn.Linear]) -> None:
         super().__init__()
-        self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
