@@ -37,9 +37,9 @@ import torch
 from model_worker import metrics
 from model_worker.block_copy import HostBlockCopy, slab_blocks
 from radixserve import tracing
-from radixserve.priority import lower_current_thread_priority
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.blocks.slab import SlabSegment
+from radixserve.priority import lower_current_thread_priority
 from radixserve.transport import TransportSecurity, open_channel
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
