@@ -39,7 +39,6 @@ from model_worker.block_copy import HostBlockCopy, slab_blocks
 from radixserve import tracing
 from radixserve.blocks.geometry import BlockGeometry
 from radixserve.blocks.slab import SlabSegment
-from radixserve.priority import lower_current_thread_priority
 from radixserve.transport import TransportSecurity, open_channel
 from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -192,7 +191,6 @@ class KVCacheClient:
                 pass
 
     def _run(self) -> None:
-        lower_current_thread_priority()  # commits, releases and heartbeats: no request waits for them
         while True:
             try:
                 job = self._jobs.get(timeout=HEARTBEAT_S)
