@@ -4,7 +4,7 @@ On 2 cores the worker's forward keeps both busy with its OpenMP team, and a para
 its threads has done its share: a thread of another process that takes a core stalls the whole forward. kvcached's
 L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs at
 `BACKGROUND_NICE`. (The worker's kvcached client thread does not: it also re-registers the worker after a kvcached
-restart, and at nice 10 under load that took longer than the tests' wait for it.)
+restart.)
 """
 
 from __future__ import annotations
