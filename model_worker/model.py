@@ -7,7 +7,7 @@ their weights concatenated at load (`fuse_projections`); each output column is t
 rotates q and k in one pass with a sine table whose first half is negated (`rope_tables`), which is HF's
 `x * cos + rotate_half(x) * sin` exactly. Other module names equal HF's.
 Two linear kernels are chosen once at load and sum in another order than HF's: float32 on a CPU uses `PackedLinear`
-(oneDNN from 2 rows; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
+(oneDNN at every row count; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
 
 Tokens of several sequences are flattened: `forward(input_ids [T], positions [T], meta, logits_rows [N])` returns
 float32 logits [N, vocab] for the chosen rows only (the last token of each sequence that samples this step).
@@ -133,12 +133,14 @@ class UpcastLinear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """A float32 Linear on a CPU with oneDNN. Two or more rows multiply by the weight packed once into oneDNN's
-    layout (`pack`, which `load_model` calls), one row by the plain weight (MKL's GEMV).
+    """A float32 Linear on a CPU with oneDNN: every row count multiplies by the weight packed once into oneDNN's
+    layout (`pack`, which `load_model` calls). The plain weight is kept (tied embeddings, tests), so the weights
+    take twice the memory.
 
-    Measured on the model's shapes, 2 cores: at 2-8 rows MKL's GEMM runs up to 1.4x slower than the packed oneDNN
-    kernel (decode, batch 4: 75 vs 55 ms a step); from about 100 rows on oneDNN is as fast or a little faster. At
-    one row MKL is ~7% faster. Both copies are kept, so the weights take twice the memory.
+    Measured on the model's shapes, 2 cores, a whole step's linears (lm_head included): on AMD EPYC (Zen 4) MKL's
+    GEMV at one row takes 48-55 ms against 22-31 ms packed, and MKL's GEMM at 112 rows 292 against 156 ms (decode
+    of one sequence: 74-80 against 51-56 ms a step); on an Intel Xeon at 2-8 rows MKL ran up to 1.4x slower, and
+    only at one row was it ~7% faster. docs/design.md section 9.
     """
 
     packed: torch.Tensor
@@ -147,8 +149,6 @@ class PackedLinear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
