@@ -4,7 +4,8 @@ On 2 cores the worker's forward keeps both busy with its OpenMP team, and a para
 its threads has done its share: a thread of another process that takes a core stalls the whole forward. kvcached's
 L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs at
 `BACKGROUND_NICE`. (The worker's kvcached client thread does not: it also re-registers the worker after a kvcached
-restart.)
+restart.) Populating a shared-memory segment's page tables (`SlabSegment.populate_in_background`) runs only on
+idle cores (`idle_current_thread`).
 """
 
 from __future__ import annotations
@@ -20,5 +21,15 @@ def lower_current_thread_priority() -> None:
     a nice value needs no privilege). A platform without per-thread priorities leaves it as it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+def idle_current_thread() -> None:
+    """Runs the calling thread only when a core would otherwise idle (Linux's SCHED_IDLE: any other thread that
+    wakes preempts it at once, where a nice-19 thread may hold the core for a scheduler tick). A platform without it
+    leaves the thread as it is."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from radixserve.priority import BACKGROUND_NICE, lower_current_thread_priority
+from radixserve.priority import BACKGROUND_NICE, idle_current_thread, lower_current_thread_priority
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
@@ -24,3 +24,19 @@ def test_only_the_calling_thread_is_lowered():
     thread.join()
     assert seen["background"] == BACKGROUND_NICE
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE here")
+def test_idle_thread_runs_under_sched_idle_and_the_caller_does_not():
+    seen = {}
+
+    def background() -> None:
+        idle_current_thread()
+        seen["background"] = os.sched_getscheduler(threading.get_native_id())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["background"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+
