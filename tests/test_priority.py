@@ -39,4 +39,3 @@ def test_idle_thread_runs_under_sched_idle_and_the_caller_does_not():
     thread.join()
     assert seen["background"] == os.SCHED_IDLE
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
-
