@@ -27,7 +27,14 @@ class EngineConfig(TransportSecurity):
     page_size: int = setting(16, "tokens per KV page (the cache block); 16 balances match granularity against "
                                  "per-page overhead")
     max_running_requests: int = setting(16, "most sequences decoded together; bounds batch memory and latency")
-    chunked_prefill_size: int = setting(512, "most prompt tokens prefilled per step, so decodes are not starved")
+    chunked_prefill_size: int = setting(512, "most prompt tokens prefilled in a step that also decodes, so decodes "
+                                             "are not starved")
+    max_prefill_tokens: int = setting(2048, "most prompt tokens prefilled in a step with nothing to decode (no "
+                                            "running sequence's next token waits on it); at least "
+                                            "--chunked-prefill-size")
+    arrival_window_ms: float = setting(0.0, "when a request wakes the idle engine, wait this long for others "
+                                            "arriving with it, so they prefill together and decode in lock step "
+                                            "(lower inter-token latency, higher TTFT of batched hits); 0 = off")
     max_waiting_requests: int = setting(64, "most requests queued for admission; past it a request is refused at "
                                             "once with RESOURCE_EXHAUSTED (a retry delay in its details)")
     max_waiting_tokens: int = setting(32_768, "most prompt tokens queued for admission (~1.5 min of prefill here); "
@@ -43,10 +50,12 @@ class EngineConfig(TransportSecurity):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "dtype", DType(self.dtype))
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "kvcached_timeout_ms",
-                     "max_waiting_requests", "max_waiting_tokens"):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
+                     "kvcached_timeout_ms", "max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.arrival_window_ms <= 1000:
+            raise ValueError(f"--arrival-window-ms must be in [0, 1000], got {self.arrival_window_ms}")
         if self.num_pages < 0 or (self.num_pages == 0 and self.l1_cache_size_gb <= 0):
             raise ValueError("--num-pages must be >= 0, and --l1-cache-size-gb > 0 when --num-pages is 0")
 

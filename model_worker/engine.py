@@ -190,7 +190,8 @@ class Engine:
         self.kvcache = (KVCacheClient(config.kvcached, config, self.info.fingerprint, self.geometry, self.pool.kv,
                                       config.kvcached_timeout_ms / 1e3, block_copy) if config.kvcached else None)
         self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock, block_copy)
-        self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size)
+        self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size,
+                                   config.max_prefill_tokens)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead = False  # the step loop died (see `start`)
@@ -571,8 +572,10 @@ class Engine:
     def _run_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self.scheduler.has_work():
-                    self._cond.wait()
+                if not self.scheduler.has_work():
+                    while not self._stopping and not self.scheduler.has_work():
+                        self._cond.wait()
+                    self._wait_for_arrivals()
                 if self._stopping:
                     return
             try:
@@ -582,6 +585,13 @@ class Engine:
             except Exception:
                 log.exception("engine step failed; aborting the running requests")
                 self._abort_running()
+
+    def _wait_for_arrivals(self) -> None:
+        """Holds the first step after idle for `arrival_window_ms` (lock released meanwhile), so that requests
+        arriving together are admitted together; `stop()` cuts it short."""
+        deadline = time.monotonic() + self.config.arrival_window_ms / 1e3
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
 
     def _abort_running(self) -> None:
         with self._cond:

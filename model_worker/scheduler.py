@@ -3,7 +3,10 @@
 Per step (`schedule`):
   1. every running sequence that has finished its prompt decodes 1 token, and its draft if it has one (decode never
      waits for prefill);
-  2. running sequences still in their prompt take prompt chunks, at most `chunked_prefill_size` tokens in all;
+  2. running sequences still in their prompt take prompt chunks, at most `chunked_prefill_size` tokens in all when
+     step 1 decodes anything (a decode waits for the whole step), else at most `max_prefill_tokens` (nobody's next
+     token waits: requests that arrive together prefill in one step and then decode in lock step, where a decode
+     step of 4 costs about one of 1; the quick-suite's 4 x 256-token prompts fit one step, not two);
   3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` (a
      request of n samples counts n) and the page reservation allow; admission stops at the first that does not
      fit (no overtaking).
@@ -105,11 +108,13 @@ def chunk_of(seq: Sequence, length: int) -> ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, prefix: PrefixCache, max_running: int, chunked_prefill_size: int) -> None:
+    def __init__(self, pool: KVPool, prefix: PrefixCache, max_running: int, chunked_prefill_size: int,
+                 max_prefill_tokens: int) -> None:
         self.pool = pool
         self.prefix = prefix
         self.max_running = max_running
         self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max(max_prefill_tokens, chunked_prefill_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admitted = 0  # requests admitted since start, and how many of them were `blocked` first
@@ -146,7 +151,7 @@ class Scheduler:
         """The next step's chunks (prefill chunks first, then decodes), with their pages allocated."""
         decodes = [chunk_of(s, 1 + len(s.draft)) for s in self.running if s.num_computed >= s.prompt_len]
         prefills: list[ScheduledChunk] = []
-        budget = self.chunked_prefill_size
+        budget = self.chunked_prefill_size if decodes else self.max_prefill_tokens
         for seq in self.running:
             if budget > 0 and seq.num_computed < seq.prompt_len:
                 prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))

@@ -89,7 +89,7 @@ def test_prompt_logprobs_score_every_prompt_token_after_the_first(engine):
 
 
 def test_prompt_logprobs_are_the_same_chunked_batched_and_after_a_cache_hit(engine, tiny_llama_dir):
-    chunked = make_engine(tiny_llama_dir, chunked_prefill_size=7)
+    chunked = make_engine(tiny_llama_dir, chunked_prefill_size=7, max_prefill_tokens=7)
     check_prompt_scores(chunked, run(chunked, PROMPT, SCORE), PROMPT)
     run(engine, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))  # caches its pages
     others: list[RequestOutput] = []

@@ -1,6 +1,7 @@
 """Our model and engine on tiny random-weight Llama and Qwen2 models, against transformers in float32."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from model_worker.config import DType, EngineConfig
 from model_worker.engine import Engine, resolve_dtype
 from model_worker.request import RequestOutput, SamplingParams
+from radixserve.launch import wait_for
 from tests.engine_helpers import GREEDY, make_engine, prefill_logits, run_until_idle
 
 PROMPTS = [list(range(100, 140)), [5, 6, 7], list(range(300, 317)), list(range(1000, 1024, 2))]
@@ -53,7 +55,7 @@ def test_greedy_matches_transformers_generate(engine, tiny_llama_dir):
 
 
 def test_chunked_prefill_gives_same_tokens(engine, tiny_llama_dir):
-    chunked = make_engine(tiny_llama_dir, chunked_prefill_size=8)
+    chunked = make_engine(tiny_llama_dir, chunked_prefill_size=8, max_prefill_tokens=8)
     assert chunked.generate(PROMPTS, GREEDY) == engine.generate(PROMPTS, GREEDY)
 
 
@@ -123,6 +125,34 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_llama_dir):
         assert len(short) == 2 + step
         assert (len(long) == 1) == (step == 4)
     run_until_idle(engine)
+
+
+def test_a_step_with_nothing_to_decode_prefills_up_to_max_prefill_tokens(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, chunked_prefill_size=8, max_prefill_tokens=30)
+    first = collect(engine, "first", list(range(100, 120)), GREEDY)
+    second = collect(engine, "second", list(range(200, 220)), GREEDY)
+    engine.step()  # nothing decodes: 30 prompt tokens, all of the first and 10 of the second
+    assert len(first) == 1 and not second
+    assert [s.num_computed for s in engine.scheduler.running] == [20, 10]
+    engine.step()  # the first decodes: at most 8 prompt tokens beside it
+    assert len(first) == 2 and not second
+    assert [s.num_computed for s in engine.scheduler.running] == [21, 18]
+    run_until_idle(engine)
+
+
+def test_the_arrival_window_admits_requests_arriving_together_in_one_step(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, arrival_window_ms=300)
+    engine.start()
+    try:
+        first = collect(engine, "first", PROMPTS[0], GREEDY)
+        time.sleep(0.1)
+        second = collect(engine, "second", PROMPTS[1], GREEDY)
+        assert wait_for(lambda: first and second and first[-1].finish_reason and second[-1].finish_reason, 30)
+    finally:
+        engine.stop()
+    # the first waited out the window; the second, 100 ms later, started in the same step
+    assert first[0].queue_ms >= 250
+    assert first[0].queue_ms - second[0].queue_ms >= 50
 
 
 def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
