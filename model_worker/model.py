@@ -110,7 +110,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """HF's `weight * (x * rsqrt(mean(x^2) + eps)).to(input_dtype)` with x in float32; torch's fused rms_norm
-        computes the normalisation bit for bit as HF's four ops do (checked in float32 and bfloat16)."""
+        computes the normalisation bit for bit as HF's four ops do (checked in float32 and bfloat16), and in
+        float32 multiplies by the weight inside, bit for bit as the separate product (one pass fewer)."""
+        if hidden.dtype == torch.float32:
+            return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)
         normalized = F.rms_norm(hidden.to(torch.float32), self.weight.shape, eps=self.eps)
         return self.weight * normalized.to(hidden.dtype)
 
@@ -184,7 +187,7 @@ class Attention(nn.Module):
         tokens, rotated = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(tokens, rotated + self.num_kv_heads, self.head_dim)
         qk = qkv[:, :rotated]
-        qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
+        qk = qk.roll(self.head_dim // 2, -1).mul_(sin).add_(qk * cos)  # in place on the roll's copy: same bits
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated:]
         return self.o_proj(backend.attend(self.layer, q, k, v, meta))
 
@@ -197,7 +200,7 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -210,8 +213,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 meta: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, backend, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # residual sums added into the sublayers' fresh outputs (a + b is b + a, bit for bit): no new tensor
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, backend, meta).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
 
 
 class DecoderBody(nn.Module):
