@@ -143,8 +143,8 @@ class PackedLinear(nn.Linear):
     Measured on the model's shapes, 2 cores, a whole step's linears (lm_head included): on AMD EPYC (Zen 4) MKL's
     GEMV at one row takes 48-55 ms against 22-31 ms packed, and MKL's GEMM at 112 rows 292 against 156 ms (decode
     of one sequence: 74-80 against 51-56 ms a step); on Intel Xeons MKL was 7-18% faster at one row and up to 15% at
-    two, 1.2-1.4x slower from four. One kernel at every row count keeps a sequence's K/V independent of its batch.
-    docs/design.md section 9.
+    two, 1.2-1.4x slower at 4-8 rows and about equal at 128-512. One kernel at every row count keeps a sequence's K/V
+    independent of its batch. docs/design.md section 9.
     """
 
     packed: torch.Tensor
