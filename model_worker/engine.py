@@ -573,9 +573,9 @@ class Engine:
         while True:
             with self._cond:
                 if not self.scheduler.has_work():
-                    while not self._stopping and not self.scheduler.has_work():
-                        self._cond.wait()
-                    self._wait_for_arrivals()
+                    self._cond.wait_for(lambda: self._stopping or self.scheduler.has_work())
+                    # requests arriving together are admitted together; `stop()` cuts the window short
+                    self._cond.wait_for(lambda: self._stopping, self.config.arrival_window_ms / 1e3)
                 if self._stopping:
                     return
             try:
@@ -585,13 +585,6 @@ class Engine:
             except Exception:
                 log.exception("engine step failed; aborting the running requests")
                 self._abort_running()
-
-    def _wait_for_arrivals(self) -> None:
-        """Holds the first step after idle for `arrival_window_ms` (lock released meanwhile), so that requests
-        arriving together are admitted together; `stop()` cuts it short."""
-        deadline = time.monotonic() + self.config.arrival_window_ms / 1e3
-        while not self._stopping and (left := deadline - time.monotonic()) > 0:
-            self._cond.wait(left)
 
     def _abort_running(self) -> None:
         with self._cond:
