@@ -142,17 +142,27 @@ def test_a_step_with_nothing_to_decode_prefills_up_to_max_prefill_tokens(tiny_ll
 
 def test_the_arrival_window_admits_requests_arriving_together_in_one_step(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, arrival_window_ms=300)
+    order: list[str] = []  # whose output each one was, as the engine thread delivered them
+
+    def collect_in_order(request_id: str, prompt: list[int]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        engine.add_request(request_id, prompt, GREEDY, lambda out: (outputs.append(out), order.append(request_id)))
+        return outputs
+
     engine.start()
     try:
-        first = collect(engine, "first", PROMPTS[0], GREEDY)
+        first = collect_in_order("first", PROMPTS[0])
         time.sleep(0.1)
-        second = collect(engine, "second", PROMPTS[1], GREEDY)
+        second = collect_in_order("second", PROMPTS[1])
         assert wait_for(lambda: first and second and first[-1].finish_reason and second[-1].finish_reason, 30)
     finally:
         engine.stop()
     # the first waited out the window; the second, 100 ms later, started in the same step
     assert first[0].queue_ms >= 250
     assert first[0].queue_ms - second[0].queue_ms >= 50
+    # one prefill step for both, then lock step (admitted a step apart, the first would decode before the second
+    # had its first token: first, second, first, first, ...)
+    assert order == ["first", "second"] * GREEDY.max_new_tokens
 
 
 def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
