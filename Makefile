@@ -36,6 +36,8 @@ $(STUBS): $(PROTOS) $(STAMP)
 model: install
 	@echo "==> checking the default model (converted once into ~/.cache/radixserve/models/, about a minute)"
 	@$(PY) -m model_worker.loader
+	@echo "==> building the fused CPU kernels (once per machine, ~15 s; without g++ the worker uses torch's ops)"
+	@$(PY) -m model_worker.cpu_kernels || true
 
 run: model
 	@echo "==> starting kvcached, a model worker and the router"

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_worker import cpu_kernels
 from model_worker.attention import Chunk, select_backend
 from model_worker.block_copy import block_copy_for
 from model_worker.config import DType, EngineConfig
@@ -170,13 +171,15 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model: CausalLM = load_model(model_dir, hf_config, self.dtype, self.device)
+        kernels = (self.device.type == "cpu" and self.dtype == torch.float32 and not config.disable_cpu_kernels
+                   and cpu_kernels.load())
+        self.model: CausalLM = load_model(model_dir, hf_config, self.dtype, self.device, kernels)
         shape = self.model.shape
         self.geometry = BlockGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.page_size,
                                       str(self.dtype).removeprefix("torch."))
         num_pages = config.num_pages or pages_for_budget(config.l1_cache_size_gb, self.geometry)
         self.pool = KVPool(num_pages, self.geometry, self.device)
-        backend = select_backend(self.pool, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        backend = select_backend(self.pool, shape.num_heads, shape.num_kv_heads, shape.head_dim, kernels)
         self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
                                              self.device))
         self.backend = backend

@@ -8,6 +8,15 @@ rotates q and k in one pass with a sine table whose first half is negated (`rope
 `x * cos + rotate_half(x) * sin` exactly. Other module names equal HF's.
 Two linear kernels are chosen once at load and sum in another order than HF's: float32 on a CPU uses `PackedLinear`
 (oneDNN at every row count; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
+With `kernels` (float32 on a CPU where `model_worker.cpu_kernels` builds), the norms, the residual sums and SiLU-times-up
+run as fused kernels (`KernelRMSNorm`, `MLP.kernels`), which round differently from torch's (~1e-6), not by batch.
+
+Each residual sum is fused with the norm after it (`RMSNorm.add_forward`: residual += sublayer output, then the norm
+of it), as the layer's next sublayer or the final norm needs it:
+
+    residual = embed(ids); hidden = layer 0's input norm(residual)
+    per layer:  hidden, residual = post-attention norm.add_forward(attention(hidden), residual)
+                hidden, residual = (next layer's input norm or the final norm).add_forward(mlp(hidden), residual)
 
 Tokens of several sequences are flattened: `forward(input_ids [T], positions [T], meta, logits_rows [N])` returns
 float32 logits [N, vocab] for the chosen rows only (the last token of each sequence that samples this step).
@@ -117,6 +126,24 @@ class RMSNorm(nn.Module):
         normalized = F.rms_norm(hidden.to(torch.float32), self.weight.shape, eps=self.eps)
         return self.weight * normalized.to(hidden.dtype)
 
+    def add_forward(self, fresh: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + fresh), residual + fresh): a sublayer's output `fresh` (which this may overwrite) added
+        to the residual stream, and the next sublayer's input; HF's `hidden = residual + hidden`, bit for bit."""
+        residual = fresh.add_(residual)
+        return self(residual), residual
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm in float32 through the fused CPU kernels: one pass for the norm, one for the residual sum and the
+    norm together (`add_forward` updates `residual` in place and writes the norm over `fresh`)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixserve.rms_norm(hidden, self.weight, self.eps)
+
+    def add_forward(self, fresh: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.radixserve.add_rms_norm_(fresh, residual, self.weight, self.eps)
+        return fresh, residual
+
 
 class UpcastLinear(nn.Linear):
     """A bfloat16 Linear for CPUs without native bf16 GEMM (no AVX512-BF16/AMX).
@@ -194,48 +221,55 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape, linear: type[nn.Linear]) -> None:
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
         self.gate_up_proj = linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        if self.kernels:
+            return self.down_proj(torch.ops.radixserve.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear]) -> None:
+    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
+        norm = KernelRMSNorm if kernels else RMSNorm
         self.self_attn = Attention(shape, layer, linear)
-        self.mlp = MLP(shape, linear)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape, linear, kernels)
+        self.input_layernorm = norm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = norm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                meta: Any) -> torch.Tensor:
-        # residual sums added into the sublayers' fresh outputs (a + b is b + a, bit for bit): no new tensor
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, backend, meta).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, cos: torch.Tensor,
+                sin: torch.Tensor, backend: AttentionBackend, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is this layer's normed input; returns `next_norm`'s input and the residual stream after it."""
+        hidden, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(hidden, cos, sin, backend, meta), residual)
+        return next_norm.add_forward(self.mlp(hidden), residual)
 
 
 class DecoderBody(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, shape: ModelShape, linear: type[nn.Linear]) -> None:
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i, linear) for i in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i, linear, kernels) for i in range(shape.num_layers))
+        self.norm = (KernelRMSNorm if kernels else RMSNorm)(shape.hidden_size, shape.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A Llama-family decoder reading and writing K/V through an `AttentionBackend`."""
+    """A Llama-family decoder reading and writing K/V through an `AttentionBackend`; `kernels`: the fused CPU
+    kernels of `model_worker.cpu_kernels` (float32, loaded) for its norms and SiLU."""
 
-    def __init__(self, shape: ModelShape, linear: type[nn.Linear] = nn.Linear) -> None:
+    def __init__(self, shape: ModelShape, linear: type[nn.Linear] = nn.Linear, kernels: bool = False) -> None:
         super().__init__()
         self.shape = shape
-        self.model = DecoderBody(shape, linear)
+        self.model = DecoderBody(shape, linear, kernels)
         self.lm_head = linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -252,18 +286,22 @@ class CausalLM(nn.Module):
         """Runs all layers over the flat tokens; float32 logits [len(logits_rows), vocab]."""
         cos = self.rope_cos[positions][:, None, :]
         sin = self.rope_sin[positions][:, None, :]
-        hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, self.backend, meta)
-        hidden = self.model.norm(hidden[logits_rows])
-        return self.lm_head(hidden).float()
+        layers = self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        hidden = layers[0].input_layernorm(residual)
+        for layer, next_layer in zip(layers, [*layers[1:], None]):
+            next_norm = self.model.norm if next_layer is None else next_layer.input_layernorm
+            hidden, residual = layer(hidden, residual, next_norm, cos, sin, self.backend, meta)
+        return self.lm_head(hidden[logits_rows]).float()
 
 
-def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Builds the model without random init and loads the safetensors weights of `model_dir`, cast to `dtype`."""
+def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.device,
+               kernels: bool = False) -> CausalLM:
+    """Builds the model without random init and loads the safetensors weights of `model_dir`, cast to `dtype`;
+    `kernels` as `CausalLM`'s."""
     shape = ModelShape.from_config(config)
     with torch.device("meta"):
-        model = CausalLM(shape, linear_class(dtype, device))
+        model = CausalLM(shape, linear_class(dtype, device), kernels)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(file, device=str(device)))

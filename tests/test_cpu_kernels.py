@@ -1,0 +1,86 @@
+"""The fused CPU kernels (model_worker/cpu_kernels.py) against torch's ops, row by row and batch-independent."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_worker import cpu_kernels
+from model_worker.attention import Chunk, PagedCpuBackend, SdpaBackend, select_backend
+from model_worker.kv_pool import KVPool
+from radixserve.blocks.geometry import BlockGeometry
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the fused CPU kernels did not build here")
+
+
+def ops():
+    return torch.ops.radixserve
+
+
+@pytest.mark.parametrize("width", [576, 61])  # 61: a partial last vector
+def test_rms_norm_and_add_rms_norm_match_torch(width):
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(9, width), torch.randn(9, width), torch.randn(width)
+    expected = F.rms_norm(x, (width,), weight, 1e-5)
+    torch.testing.assert_close(ops().rms_norm(x, weight, 1e-5), expected, atol=2e-6, rtol=2e-6)
+    fresh, stream = x.clone(), residual.clone()
+    ops().add_rms_norm_(fresh, stream, weight, 1e-5)
+    assert torch.equal(stream, x + residual)  # the residual sum is torch's, bit for bit
+    torch.testing.assert_close(fresh, F.rms_norm(x + residual, (width,), weight, 1e-5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("half", [1536, 13])
+def test_silu_mul_matches_torch_over_the_whole_range(half):
+    gate = torch.linspace(-100, 100, 7 * half).reshape(7, half)
+    up = torch.randn(7, half)
+    expected = (gate.double() * torch.sigmoid(gate.double()) * up.double()).float()
+    torch.testing.assert_close(ops().silu_mul(torch.cat([gate, up], 1)), expected, atol=1e-5, rtol=2e-6)
+
+
+def test_each_row_is_computed_alone():
+    """A row's result does not depend on the rows beside it: a token's K/V are the same in any batch."""
+    torch.manual_seed(0)
+    x, weight, gate_up = torch.randn(33, 576), torch.randn(576), torch.randn(33, 3072)
+    assert torch.equal(ops().rms_norm(x, weight, 1e-5)[5], ops().rms_norm(x[5:6], weight, 1e-5)[0])
+    assert torch.equal(ops().silu_mul(gate_up)[7], ops().silu_mul(gate_up[7:8])[0])
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_paged_decode_matches_sdpa_and_is_batch_independent(dim):
+    """Decode rows of unequal contexts (one page, a partial page, 8-token blocks and tails) through the paged
+    kernel against SDPA over gathered K/V; a row alone gives the same bits as in the batch."""
+    torch.manual_seed(0)
+    heads, kv_heads, page = 9, 3, 16
+    pool = KVPool(64, BlockGeometry(2, kv_heads, dim, page, "float32"))
+    pool.kv.normal_()
+    contexts = [1, 7, 16, 29, 300]
+    chunks = []
+    for i, context in enumerate(contexts):
+        pool.ensure_capacity(i, context)
+        chunks.append(Chunk(pool.block_table(i), context - 1, 1))
+    q, (k, v) = torch.randn(len(contexts), heads, dim), torch.randn(2, len(contexts), kv_heads, dim)
+    sdpa, paged = SdpaBackend(pool, heads, kv_heads, dim), PagedCpuBackend(pool, heads, kv_heads, dim)
+    expected = sdpa.attend(1, q, k, v, sdpa.prepare(chunks))
+    got = paged.attend(1, q, k, v, paged.prepare(chunks))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    alone = paged.attend(1, q[3:4], k[3:4], v[3:4], paged.prepare(chunks[3:4]))
+    assert torch.equal(alone[0], got[3])
+
+
+def test_paged_decode_refuses_what_it_cannot_read():
+    pool = KVPool(4, BlockGeometry(1, 1, 64, 16, "float32"))
+    q, table = torch.zeros(1, 1, 64), torch.tensor([[0, 1]])
+    k, v = pool.k_layers[0], pool.v_layers[0]
+    with pytest.raises(RuntimeError, match="out of the block table"):
+        ops().paged_decode_attention(q, k, v, table, torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match="page out of range"):
+        ops().paged_decode_attention(q, k, v, torch.tensor([[0, 9]]), torch.tensor([20]), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        ops().paged_decode_attention(q[..., :32], k[..., :32], v[..., :32], table, torch.tensor([3]), 0.125)
+
+
+def test_select_backend_uses_the_paged_kernel_only_where_it_applies():
+    pool = KVPool(2, BlockGeometry(1, 3, 64, 16, "float32"))
+    assert type(select_backend(pool, 9, 3, 64, kernels=True)) is PagedCpuBackend
+    assert type(select_backend(pool, 9, 3, 64, kernels=False)) is SdpaBackend
+    small = KVPool(2, BlockGeometry(1, 2, 16, 16, "float32"))
+    assert type(select_backend(small, 4, 2, 16, kernels=True)) is SdpaBackend
