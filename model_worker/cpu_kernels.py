@@ -6,6 +6,8 @@ linear that streamed megabytes of weights. The kernels do that work in fewer pas
 
 - `rms_norm(x, weight, eps)` and `add_rms_norm_(x, residual, weight, eps)` (residual += x; x = norm(residual)),
 - `silu_mul(gate_up)`: SiLU of the first half times the second,
+- `rope_(qkv, cos, sin, positions, rotated)`: RoPE in place on the q and k heads of the fused projection's output,
+  bit for bit torch's ops,
 - `paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)`: one new token per sequence
   attending to its pages in place, one read of K/V per group of query heads (GQA); head_dim 64 or 128.
 
@@ -34,7 +36,7 @@ log = logging.getLogger("model_worker.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 NAME = "radixserve_cpu_kernels"
-FLAGS = ["-O3", "-march=x86-64-v3", "-fopenmp"]
+FLAGS = ["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp"]  # only the FMAs the source spells
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 
 

@@ -8,8 +8,9 @@ rotates q and k in one pass with a sine table whose first half is negated (`rope
 `x * cos + rotate_half(x) * sin` exactly. Other module names equal HF's.
 Two linear kernels are chosen once at load and sum in another order than HF's: float32 on a CPU uses `PackedLinear`
 (oneDNN at every row count; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
-With `kernels` (float32 on a CPU where `model_worker.cpu_kernels` builds), the norms, the residual sums and SiLU-times-up
-run as fused kernels (`KernelRMSNorm`, `MLP.kernels`), which round differently from torch's (~1e-6), not by batch.
+With `kernels` (float32 on a CPU where `model_worker.cpu_kernels` builds), the norms, the residual sums, SiLU-times-up
+and RoPE run as fused kernels (`KernelRMSNorm`, `MLP.kernels`, `Attention.kernel_rope`); the norms and SiLU round
+differently from torch's (~1e-6), never by batch, and RoPE is torch's bit for bit.
 
 Each residual sum is fused with the norm after it (`RMSNorm.add_forward`: residual += sublayer output, then the norm
 of it), as the layer's next sublayer or the final norm needs it:
@@ -24,6 +25,7 @@ float32 logits [N, vocab] for the chosen rows only (the last token of each seque
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,22 +203,41 @@ def linear_class(dtype: torch.dtype, device: torch.device) -> type[nn.Linear]:
     return UpcastLinear if emulated_bf16 else nn.Linear
 
 
+@dataclass(frozen=True)
+class StepRope:
+    """RoPE of one forward's tokens: the tables (`rope_tables`) and each token's position; `rows` are the tables'
+    rows at those positions, [T, 1, D] each, gathered once a forward for torch's ops."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[self.positions][:, None, :], self.sin[self.positions][:, None, :]
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear]) -> None:
+    def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.qkv_proj = linear(shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
                                bias=shape.qkv_bias)
         self.o_proj = linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=shape.o_bias)
+        self.kernel_rope = kernels and shape.head_dim % 16 == 0  # `rope_` works on 16-float halves of 8 lanes
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                meta: Any) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: StepRope, backend: AttentionBackend, meta: Any) -> torch.Tensor:
         tokens, rotated = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(tokens, rotated + self.num_kv_heads, self.head_dim)
-        qk = qkv[:, :rotated]
-        qk = qk.roll(self.head_dim // 2, -1).mul_(sin).add_(qk * cos)  # in place on the roll's copy: same bits
-        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, rotated:]
+        if self.kernel_rope:
+            torch.ops.radixserve.rope_(qkv, rope.cos, rope.sin, rope.positions, rotated)
+            qk = qkv
+        else:
+            cos, sin = rope.rows
+            qk = qkv[:, :rotated]
+            qk = qk.roll(self.head_dim // 2, -1).mul_(sin).add_(qk * cos)  # in place on the roll's copy: same bits
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:rotated], qkv[:, rotated:]
         return self.o_proj(backend.attend(self.layer, q, k, v, meta))
 
 
@@ -239,16 +260,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
         norm = KernelRMSNorm if kernels else RMSNorm
-        self.self_attn = Attention(shape, layer, linear)
+        self.self_attn = Attention(shape, layer, linear, kernels)
         self.mlp = MLP(shape, linear, kernels)
         self.input_layernorm = norm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = norm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, cos: torch.Tensor,
-                sin: torch.Tensor, backend: AttentionBackend, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, rope: StepRope,
+                backend: AttentionBackend, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` is this layer's normed input; returns `next_norm`'s input and the residual stream after it."""
         hidden, residual = self.post_attention_layernorm.add_forward(
-            self.self_attn(hidden, cos, sin, backend, meta), residual)
+            self.self_attn(hidden, rope, backend, meta), residual)
         return next_norm.add_forward(self.mlp(hidden), residual)
 
 
@@ -284,14 +305,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                 logits_rows: torch.Tensor) -> torch.Tensor:
         """Runs all layers over the flat tokens; float32 logits [len(logits_rows), vocab]."""
-        cos = self.rope_cos[positions][:, None, :]
-        sin = self.rope_sin[positions][:, None, :]
+        rope = StepRope(self.rope_cos, self.rope_sin, positions)
         layers = self.model.layers
         residual = self.model.embed_tokens(input_ids)
         hidden = layers[0].input_layernorm(residual)
         for layer, next_layer in zip(layers, [*layers[1:], None]):
             next_norm = self.model.norm if next_layer is None else next_layer.input_layernorm
-            hidden, residual = layer(hidden, residual, next_norm, cos, sin, self.backend, meta)
+            hidden, residual = layer(hidden, residual, next_norm, rope, self.backend, meta)
         return self.lm_head(hidden[logits_rows]).float()
 
 

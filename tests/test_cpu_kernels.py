@@ -36,6 +36,24 @@ def test_silu_mul_matches_torch_over_the_whole_range(half):
     torch.testing.assert_close(ops().silu_mul(torch.cat([gate, up], 1)), expected, atol=1e-5, rtol=2e-6)
 
 
+def test_rope_is_torchs_rotation_bit_for_bit(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from model_worker.model import rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = rope_tables(AutoConfig.from_pretrained(tiny_llama_dir), 64, 512, torch.float32, torch.device("cpu"))
+    qkv, positions = torch.randn(37, 15, 64), torch.randint(0, 512, (37,))
+    qk = qkv[:, :12]
+    expected = qk.roll(32, -1).mul_(sin[positions][:, None]).add_(qk * cos[positions][:, None])
+    rotated = qkv.clone()
+    ops().rope_(rotated, cos, sin, positions, 12)
+    assert torch.equal(rotated[:, :12], expected)
+    assert torch.equal(rotated[:, 12:], qkv[:, 12:])  # v heads untouched
+    with pytest.raises(RuntimeError, match="position out of the tables"):
+        ops().rope_(rotated, cos, sin, torch.full((37,), 512), 12)
+
+
 def test_each_row_is_computed_alone():
     """A row's result does not depend on the rows beside it: a token's K/V are the same in any batch."""
     torch.manual_seed(0)

@@ -151,6 +151,47 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// RoPE in place on the first `rotated` heads of qkv [T, heads, D] (the q and k heads of a fused projection):
+// x * cos + roll(x, D / 2) * sin at the token's position, with the tables' sine first half negated
+// (`model_worker.model.rope_tables`). Products and sum are rounded as torch's ops round them, so the result is
+// theirs bit for bit (the build disables contraction into fused multiply-adds).
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+           int64_t rotated) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3, "qkv must be float32 "
+              "[T, heads, D]");
+  TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "qkv's heads must be contiguous");
+  const int64_t tokens = qkv.size(0), dim = qkv.size(2), half = dim / 2;
+  TORCH_CHECK(dim % (2 * kLanes) == 0, "head_dim must be a multiple of 16, got ", dim);
+  TORCH_CHECK(rotated >= 0 && rotated <= qkv.size(1), "rotated heads out of range");
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 2 &&
+                    table->size(1) == dim && table->sizes() == cos.sizes(), "cos and sin must be float32 [positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens,
+              "one int64 position per token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of the tables");
+  float* x = qkv.data_ptr<float>();
+  const float* cosines = cos.data_ptr<float>();
+  const float* sines = sin.data_ptr<float>();
+  const int64_t token_stride = qkv.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cosines + pos[t] * dim;
+      const float* s = sines + pos[t] * dim;
+      for (int64_t h = 0; h < rotated; ++h) {
+        float* head = x + t * token_stride + h * dim;
+        for (int64_t i = 0; i < half; i += kLanes) {
+          const __m256 low = _mm256_loadu_ps(head + i), high = _mm256_loadu_ps(head + half + i);
+          _mm256_storeu_ps(head + i, _mm256_add_ps(_mm256_mul_ps(high, _mm256_loadu_ps(s + i)),
+                                                   _mm256_mul_ps(low, _mm256_loadu_ps(c + i))));
+          _mm256_storeu_ps(head + half + i, _mm256_add_ps(_mm256_mul_ps(low, _mm256_loadu_ps(s + half + i)),
+                                                          _mm256_mul_ps(high, _mm256_loadu_ps(c + half + i))));
+        }
+      }
+    }
+  });
+}
+
 // dots[t] = dot(query, rows + t * stride) for t < 8 over DIM: eight 8-lane partial sums reduced together by a
 // transpose of horizontal adds, instead of one horizontal sum per dot product.
 template <int DIM>
@@ -299,6 +340,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated) -> ()", &rope_);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor", &paged_decode_attention);
 }
