@@ -32,9 +32,10 @@ class EngineConfig(TransportSecurity):
     max_prefill_tokens: int = setting(2048, "most prompt tokens prefilled in a step with nothing to decode (no "
                                             "running sequence's next token waits on it); at least "
                                             "--chunked-prefill-size")
-    arrival_window_ms: float = setting(0.0, "when a request wakes the idle engine, wait this long for others "
-                                            "arriving with it, so they prefill together and decode in lock step "
-                                            "(lower inter-token latency, higher TTFT of batched hits); 0 = off")
+    arrival_window_ms: float = setting(15.0, "when nothing runs, wait up to this long before a step, until as many "
+                                             "requests wait as ran together in the last second (at least 2), so a "
+                                             "round sent together prefills together and decodes in lock step; "
+                                             "0 = off")
     max_waiting_requests: int = setting(64, "most requests queued for admission; past it a request is refused at "
                                             "once with RESOURCE_EXHAUSTED (a retry delay in its details)")
     max_waiting_tokens: int = setting(32_768, "most prompt tokens queued for admission (~1.5 min of prefill here); "

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarMatcher
 
 
+PEAK_HORIZON_S = 1.0
+
+
 @dataclass(eq=False)
 class Sequence:
     """Mutable state of one request inside the engine."""
@@ -119,9 +122,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.admitted = 0  # requests admitted since start, and how many of them were `blocked` first
         self.admitted_blocked = 0
+        self._peak = (0, 0.0)  # the most sequences a step ran with recently, and when (`recent_peak`)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def recent_peak(self, now: float) -> int:
+        """The most sequences a step ran with in the last `PEAK_HORIZON_S` (counted from when that count was last
+        reached): how many requests a closed-loop client keeps in flight."""
+        count, at = self._peak
+        return count if now - at <= PEAK_HORIZON_S else 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -166,6 +176,9 @@ class Scheduler:
         for seq in self.waiting:
             seq.blocked = True
         chunks = prefills + decodes
+        now = time.perf_counter()
+        if len(self.running) >= self.recent_peak(now):
+            self._peak = (len(self.running), now)
         for chunk in chunks:
             end = chunk.start + chunk.length
             self.prefix.make_room(pages_for_tokens(end, self.pool.page_size) - len(self.pool.block_table(

@@ -140,29 +140,54 @@ def test_a_step_with_nothing_to_decode_prefills_up_to_max_prefill_tokens(tiny_ll
     run_until_idle(engine)
 
 
+def add_in_order(engine: Engine, order: list[str], request_id: str, prompt: list[int]) -> list[RequestOutput]:
+    """Adds a greedy request; its outputs, and its id in `order` at each output the engine thread delivers."""
+    outputs: list[RequestOutput] = []
+    engine.add_request(request_id, prompt, GREEDY, lambda out: (outputs.append(out), order.append(request_id)))
+    return outputs
+
+
+def finished(*outputs: list[RequestOutput]) -> bool:
+    return all(out and out[-1].finish_reason for out in outputs)
+
+
 def test_the_arrival_window_admits_requests_arriving_together_in_one_step(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, arrival_window_ms=300)
-    order: list[str] = []  # whose output each one was, as the engine thread delivered them
-
-    def collect_in_order(request_id: str, prompt: list[int]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        engine.add_request(request_id, prompt, GREEDY, lambda out: (outputs.append(out), order.append(request_id)))
-        return outputs
-
+    order: list[str] = []
     engine.start()
     try:
-        first = collect_in_order("first", PROMPTS[0])
+        first = add_in_order(engine, order, "first", PROMPTS[0])
         time.sleep(0.1)
-        second = collect_in_order("second", PROMPTS[1])
-        assert wait_for(lambda: first and second and first[-1].finish_reason and second[-1].finish_reason, 30)
+        second = add_in_order(engine, order, "second", PROMPTS[1])
+        assert wait_for(lambda: finished(first, second), 30)
     finally:
         engine.stop()
-    # the first waited out the window; the second, 100 ms later, started in the same step
-    assert first[0].queue_ms >= 250
+    # the first waited for a second request, not the whole window; both started in the same step
+    assert 80 <= first[0].queue_ms < 250
     assert first[0].queue_ms - second[0].queue_ms >= 50
     # one prefill step for both, then lock step (admitted a step apart, the first would decode before the second
     # had its first token: first, second, first, first, ...)
     assert order == ["first", "second"] * GREEDY.max_new_tokens
+
+
+def test_the_arrival_window_waits_for_as_many_as_ran_together_last(tiny_llama_dir):
+    """Three requests ran together; their successors, arriving 100 ms apart, are admitted together."""
+    engine = make_engine(tiny_llama_dir, arrival_window_ms=500)
+    order: list[str] = []
+    engine.start()
+    try:
+        round_one = [add_in_order(engine, order, f"one-{i}", PROMPTS[i]) for i in range(3)]
+        assert wait_for(lambda: finished(*round_one), 30)
+        order.clear()
+        round_two = []
+        for i in range(3):
+            round_two.append(add_in_order(engine, order, f"two-{i}", PROMPTS[i]))
+            time.sleep(0.1)
+        assert wait_for(lambda: finished(*round_two), 30)
+    finally:
+        engine.stop()
+    assert 150 <= round_two[0][0].queue_ms < 450  # waited for the third, not the whole window
+    assert order == ["two-0", "two-1", "two-2"] * GREEDY.max_new_tokens
 
 
 def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
