@@ -94,10 +94,11 @@ class Launcher:
 @pytest.fixture
 def launcher(tmp_path):
     """The launcher in a session of its own, on free ports with metrics off, its disk tier under `tmp_path` (a
-    cache root that links the real converted models in); kills whatever it left."""
+    cache root that links the real converted models and the built CPU kernels in); kills whatever it left."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "models").symlink_to(cache_root() / "models")
+    for built in ("models", "kernels"):  # converted once, compiled once: not again for every launch
+        (cache / built).symlink_to(cache_root() / built)
     ports = (free_port(), free_port(), free_port())
     log = tmp_path / "launch.log"
     args = ["--router-port", str(ports[0]), "--kvcached-port", str(ports[1]), "--worker-port", str(ports[2]),
