@@ -285,7 +285,7 @@ class DecoderBody(nn.Module):
 
 class CausalLM(nn.Module):
     """A Llama-family decoder reading and writing K/V through an `AttentionBackend`; `kernels`: the fused CPU
-    kernels of `model_worker.cpu_kernels` (float32, loaded) for its norms and SiLU."""
+    kernels of `model_worker.cpu_kernels` (float32, loaded) for its norms, RoPE and SiLU."""
 
     def __init__(self, shape: ModelShape, linear: type[nn.Linear] = nn.Linear, kernels: bool = False) -> None:
         super().__init__()
