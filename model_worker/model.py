@@ -147,6 +147,11 @@ class KernelRMSNorm(RMSNorm):
         return fresh, residual
 
 
+def norm_class(kernels: bool) -> type[RMSNorm]:
+    """`KernelRMSNorm` with the fused CPU kernels, else `RMSNorm`."""
+    return KernelRMSNorm if kernels else RMSNorm
+
+
 class UpcastLinear(nn.Linear):
     """A bfloat16 Linear for CPUs without native bf16 GEMM (no AVX512-BF16/AMX).
 
@@ -259,7 +264,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, layer: int, linear: type[nn.Linear], kernels: bool) -> None:
         super().__init__()
-        norm = KernelRMSNorm if kernels else RMSNorm
+        norm = norm_class(kernels)
         self.self_attn = Attention(shape, layer, linear, kernels)
         self.mlp = MLP(shape, linear, kernels)
         self.input_layernorm = norm(shape.hidden_size, shape.rms_norm_eps)
@@ -280,7 +285,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, i, linear, kernels) for i in range(shape.num_layers))
-        self.norm = (KernelRMSNorm if kernels else RMSNorm)(shape.hidden_size, shape.rms_norm_eps)
+        self.norm = norm_class(kernels)(shape.hidden_size, shape.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
