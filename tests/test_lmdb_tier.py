@@ -244,3 +244,50 @@ def test_kill_9_mid_stream_leaves_a_clean_env(tmp_path):
         assert all(tier.get(key(i)) == payload(i, 8192) for i in ids)
         assert tier.stats().corrupt_blocks == 0
         tier.check_integrity()
+
+
+def test_busy_cores_defer_writes_until_the_oldest_block_waited_max_defer(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvcached.tiers.lmdb_tier.others_running", lambda: True)
+    tier = DiskTier(tmp_path / "l3", budget_bytes=1 << 20, max_defer_s=1.0)
+    try:
+        queued = time.monotonic()
+        assert tier.put_async(NS, key(0), parent(0), payload(0))
+        time.sleep(0.3)
+        assert tier.stats().writes == 0 and tier.stats().queued_bytes == N  # deferred while the cores are busy
+        while tier.stats().writes == 0:
+            time.sleep(0.01)
+        assert time.monotonic() - queued >= 1.0
+        assert tier.get(key(0)) == payload(0)
+    finally:
+        tier.close()
+
+
+def test_a_flush_ends_a_deferral_and_idle_cores_write_at_once(tmp_path, monkeypatch):
+    busy = [True]
+    monkeypatch.setattr("kvcached.tiers.lmdb_tier.others_running", lambda: busy[0])
+    tier = DiskTier(tmp_path / "l3", budget_bytes=1 << 20, max_defer_s=600)
+    try:
+        put(tier, 0)  # flush(timeout=10) inside: the barrier ends the wait
+        assert tier.stats().writes == 1
+        busy[0] = False
+        assert tier.put_async(NS, key(1), parent(1), payload(1))
+        deadline = time.monotonic() + 10
+        while tier.stats().writes < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.stats().writes == 2  # IDLE_POLLS polls, not the 600 s
+    finally:
+        tier.close()
+
+
+def test_a_queue_half_full_is_written_while_busy(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvcached.tiers.lmdb_tier.others_running", lambda: True)
+    tier = DiskTier(tmp_path / "l3", budget_bytes=1 << 20, max_defer_s=600, max_queue_bytes=4 * N)
+    try:
+        for i in range(2):
+            assert tier.put_async(NS, key(i), parent(i), payload(i))
+        deadline = time.monotonic() + 10
+        while tier.stats().writes < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.stats().writes == 2
+    finally:
+        tier.close()
