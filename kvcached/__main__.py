@@ -22,9 +22,6 @@ from radixserve.v1 import kvcache_pb2_grpc
 log = logging.getLogger("kvcached")
 
 DISK_HEALTH = "radixserve.v1.KVCache/disk"  # health name of the L3 tier: NOT_SERVING after an I/O error
-# L3 write batches of 8 blocks (6 MB in float32 for SmolLM2): a forward that starts while a deferred batch is written
-# waits for one small batch, where a 64-block batch took 570 ms beside it.
-L3_BATCH_BLOCKS = 8
 EXPIRY_INTERVAL_S = 1.0  # leases have a TTL of seconds; checking each second keeps pinned memory bounded
 IDLE_CHECK_S = 5.0  # quiet this long before the idle integrity check
 
@@ -63,8 +60,7 @@ def open_disk(config: KVCachedConfig) -> DiskTier | None:
         return None
     try:
         disk = DiskTier(config.disk_cache_path, int(config.disk_cache_size_gb * (1 << 30)),
-                        read_delay_s=config.l3_read_delay_ms / 1e3, max_defer_s=config.l3_write_defer_s,
-                        max_batch_blocks=L3_BATCH_BLOCKS)
+                        read_delay_s=config.l3_read_delay_ms / 1e3)
     except DiskTierError as e:
         if not config.disk_cache_optional:
             raise SystemExit(f"kvcached: cannot open the disk tier: {e} (--disk-cache-optional runs without it)")

@@ -23,8 +23,6 @@ class KVCachedConfig(TransportSecurity):
     disk_cache_size_gb: float = setting(16.0, "L3 size bound in GiB; 0 turns the disk tier off")
     disk_cache_optional: bool = setting(False, "if the disk tier cannot open, run without it instead of exiting")
     write_policy: WritePolicy = setting(WritePolicy.WRITE_THROUGH, "which blocks go to L3, always off the request path")
-    l3_write_defer_s: float = setting(2.0, "while other tasks keep the cores busy, a block's L3 write waits up to "
-                                           "this for idle cores (a write beside a forward slows it); 0: at once")
     prefetch_threshold_tokens: int = setting(128, "shortest L3 run worth prefetching: below it, recompute is as cheap")
     prefetch_threads: int = setting(4, "threads reading L3 for prefetches; a stuck read holds one, never all")
     prefetch_read_timeout_s: float = setting(2.0, "a single L3 read slower than this ends its prefetch")
@@ -50,9 +48,7 @@ class KVCachedConfig(TransportSecurity):
             raise ValueError("--lease-ttl-s must be positive and at most --max-lease-ttl-s")
         if self.max_allocation_slots < 1:
             raise ValueError("--max-allocation-slots must be positive")
-        if min(self.disk_cache_size_gb, self.prefetch_threshold_tokens, self.l3_read_delay_ms,
-               self.l3_write_defer_s) < 0:
-            raise ValueError("--disk-cache-size-gb, --prefetch-threshold-tokens, --l3-read-delay-ms, "
-                             "--l3-write-defer-s must be >= 0")
+        if self.disk_cache_size_gb < 0 or self.prefetch_threshold_tokens < 0 or self.l3_read_delay_ms < 0:
+            raise ValueError("--disk-cache-size-gb, --prefetch-threshold-tokens, --l3-read-delay-ms must be >= 0")
         if self.prefetch_threads < 1 or self.prefetch_read_timeout_s <= 0 or self.recompute_tokens_per_s <= 0:
             raise ValueError("--prefetch-threads, --prefetch-read-timeout-s, --recompute-tokens-per-s must be > 0")

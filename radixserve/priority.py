@@ -5,9 +5,7 @@ its threads has done its share: a thread of another process that takes a core st
 L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs at
 `BACKGROUND_NICE`. (The worker's kvcached client thread does not: it also re-registers the worker after a kvcached
 restart.) Populating a shared-memory segment's page tables (`SlabSegment.populate_in_background`) runs only on
-idle cores (`idle_current_thread`). A thread that holds the GIL must not be idle-scheduled (descheduled while holding
-it, it stalls its process's event loop until a core frees up); such a thread defers its work itself while
-`others_running()` instead.
+idle cores (`idle_current_thread`).
 """
 
 from __future__ import annotations
@@ -35,17 +33,3 @@ def idle_current_thread() -> None:
         os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
-
-
-def others_running() -> bool:
-    """Whether another task than the caller is running or runnable on this host at this instant (Linux's
-    `procs_running` in /proc/stat counts the caller too). False where the count cannot be read: nothing is deferred
-    on a platform that cannot tell."""
-    try:
-        with open("/proc/stat", "rb") as stat:
-            for line in stat:
-                if line.startswith(b"procs_running "):
-                    return int(line.split()[1]) > 1
-    except (OSError, ValueError):
-        pass
-    return False

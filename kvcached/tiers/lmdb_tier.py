@@ -16,13 +16,6 @@ Threads and contracts
   drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn.
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
   `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents).
-- Deferred writes (`max_defer_s` > 0): while other tasks keep the host's cores busy (`others_running`), the writer
-  waits before each batch of puts for `IDLE_POLLS` polls in a row with nothing else running, until the batch's
-  oldest block has waited `max_defer_s` (so every queued block is written within about `max_defer_s`, busy or not).
-  A flush, close or namespace drop queued meanwhile, or a queue half full, ends the wait at once. On 2 cores a write
-  that runs beside a forward delays it: a 112-token forward over a 1,888-token L2 hit took 369-485 ms while the
-  writer stored that prefix, 278-290 ms with no disk tier (`bench.cache` ttft, 3 reps each). The writer's thread
-  holds the GIL between its C calls, so it must not be idle-scheduled instead (see `radixserve.priority`).
 - `get` / `read_into` may run on any thread, concurrently. They return a miss (None / False) for an absent block, a
   block that fails its checksum (counted in `corrupt_blocks`, then deleted by the writer) and any I/O error (the tier
   turns unhealthy; nothing is raised). What they return is a copy: it stays valid after the call.
@@ -74,7 +67,7 @@ import lmdb
 import xxhash
 
 from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
-from radixserve.priority import lower_current_thread_priority, others_running
+from radixserve.priority import lower_current_thread_priority
 
 log = logging.getLogger("kvcached.tiers.lmdb")
 
@@ -83,10 +76,6 @@ MAGIC = b"RSL3"
 FORMAT_VERSION = 2  # 1 had a crc32; its blocks now fail the header check and are dropped like corrupt ones
 _HEAD = struct.Struct("<4sHHQQ16s")  # magic, version, ns_len, payload_len, xxh3_64, parent_hash
 _MAX_NS = 0xFFFF
-# Polls in a row with nothing else running, 30 ms: longer than a gap between two forwards, and than a worker's
-# 15 ms arrival window (a request waits in it with idle cores; 3 polls found it idle and wrote beside its forward).
-IDLE_POLLS = 6
-DEFER_POLL_S = 0.005
 _T = TypeVar("_T")
 
 
@@ -139,7 +128,6 @@ class _Put(NamedTuple):
     parent: bytes
     namespace: bytes
     payload: bytes
-    queued_at: float  # time.monotonic()
 
 
 class _Barrier(NamedTuple):
@@ -160,19 +148,17 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 256 << 20,
                  max_batch_blocks: int = 64, max_batch_bytes: int = 64 << 20, map_size: int | None = None,
-                 read_delay_s: float = 0.0, max_defer_s: float = 0.0) -> None:
+                 read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
-        budget or batch limit or a negative deferral, DiskTierError when the path cannot hold an environment.
-        `map_size` overrides the derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read
-        (tests only); `max_defer_s` 0 writes at once (see "Deferred writes")."""
-        if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0 or max_defer_s < 0:
-            raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive, max_defer_s >= 0")
+        budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
+        derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read (tests only)."""
+        if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0:
+            raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive")
         self.path = os.fspath(path)
         self._budget = budget_bytes
         self._max_queue = max_queue_bytes
         self._batch_limits = (max_batch_blocks, max_batch_bytes)
         self._read_delay = read_delay_s
-        self._max_defer = max_defer_s
         # headroom: LMDB page overhead, and the pages of the last txns that are freed but not yet reusable
         self._env = _open_env(self.path, map_size or budget_bytes + budget_bytes // 8 + 2 * max_batch_bytes + (1 << 20))
         self._lock = threading.Lock()  # guards everything below, shared by readers and the writer
@@ -180,7 +166,6 @@ class DiskTier:
         self._doomed: dict[bytes, int] = {}  # corrupt keys the writer must delete -> stored size
         self._events: list[TierEvent] = []
         self._bytes_used = self._queued = 0
-        self._urgent = 0  # flushes, closes and namespace drops queued and not yet applied: no deferring meanwhile
         self._counts = dict.fromkeys(("reads", "misses", "bytes_read", "writes", "bytes_written", "corrupt_blocks",
                                       "dropped_writes", "evictions", "io_errors"), 0)
         self._healthy, self._closed = True, False
@@ -209,7 +194,7 @@ class DiskTier:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued += len(payload)
-        self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, payload, time.monotonic()))
+        self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, payload))
         return True
 
     def get(self, block_hash: BlockHash) -> bytes | None:
@@ -233,7 +218,7 @@ class DiskTier:
         if self._closed:
             return True
         barrier = _Barrier(threading.Event())
-        self._put_urgent(barrier)
+        self._queue.put(barrier)
         return barrier.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
@@ -243,7 +228,7 @@ class DiskTier:
             if self._closed:
                 return True
             self._closed = True
-        self._put_urgent(_STOP)
+        self._queue.put(_STOP)
         self._writer.join(timeout)
         if self._writer.is_alive():
             log.warning("disk tier writer still busy; not closing the environment",
@@ -272,7 +257,7 @@ class DiskTier:
         if self._closed:
             raise DiskTierError(f"the L3 disk tier at {self.path} is closed")
         op = _DropNamespace(namespace.encode(), Future())
-        self._put_urgent(op)
+        self._queue.put(op)
         return op.result.result(timeout)
 
     def take_events(self) -> list[TierEvent]:
@@ -346,20 +331,12 @@ class DiskTier:
 
     # ---- writer thread ------------------------------------------------------------------------------------------
 
-    def _put_urgent(self, op: object) -> None:
-        with self._lock:
-            self._urgent += 1
-        self._queue.put(op)
-
     def _run(self) -> None:
         """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP. At background
-        priority, and deferring puts while the cores are busy: no request waits for a write."""
+        priority: no request waits for a write."""
         lower_current_thread_priority()
         while True:
-            first = self._queue.get()
-            if isinstance(first, _Put):
-                self._defer_while_busy(first.queued_at + self._max_defer)
-            ops = self._drain(first)
+            ops = self._drain()
             try:
                 self._apply(ops)
             except Exception as exc:  # never let the writer die: barriers and later writes still need it
@@ -368,25 +345,12 @@ class DiskTier:
                 for op in ops:
                     if isinstance(op, _Barrier):
                         op.done.set()
-                with self._lock:
-                    self._urgent -= sum(1 for op in ops if op is _STOP or isinstance(op, (_Barrier, _DropNamespace)))
             if ops[-1] is _STOP:
                 return
 
-    def _defer_while_busy(self, deadline: float) -> None:
-        """Waits until the cores are idle, at most until `deadline` (see "Deferred writes")."""
-        idle_polls = 0
-        while idle_polls < IDLE_POLLS and time.monotonic() < deadline and not self._must_write():
-            idle_polls = 0 if others_running() else idle_polls + 1
-            time.sleep(DEFER_POLL_S)
-
-    def _must_write(self) -> bool:
-        with self._lock:
-            return self._urgent > 0 or self._queued >= self._max_queue // 2
-
-    def _drain(self, first: object) -> list:
-        """The next batch: `first`, then what is queued, up to the batch limits or a _STOP."""
-        ops = [first]
+    def _drain(self) -> list:
+        """The next batch: blocks for one op, then takes what is queued, up to the batch limits or a _STOP."""
+        ops = [self._queue.get()]
         max_blocks, max_bytes = self._batch_limits
         nbytes = _put_bytes(ops[-1])
         while ops[-1] is not _STOP and len(ops) < max_blocks and nbytes < max_bytes:
