@@ -599,7 +599,7 @@ class Engine:
         if not self.config.arrival_window_ms or self.scheduler.running:
             return
         waiting = self.scheduler.waiting
-        expected = max(self.scheduler.recent_peak(time.perf_counter()), 2)
+        expected = max(self.scheduler.recent_peak(), 2)
         self._cond.wait_for(lambda: self._stopping or len(waiting) >= expected, self.config.arrival_window_ms / 1e3)
 
     def _abort_running(self) -> None:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarMatcher
 
 
-PEAK_HORIZON_S = 1.0
+PEAK_HORIZON_S = 1.0  # longer than a closed-loop round trip between two rounds, short enough to forget a burst
 
 
 @dataclass(eq=False)
@@ -127,11 +127,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def recent_peak(self, now: float) -> int:
+    def recent_peak(self) -> int:
         """The most sequences a step ran with in the last `PEAK_HORIZON_S` (counted from when that count was last
         reached): how many requests a closed-loop client keeps in flight."""
         count, at = self._peak
-        return count if now - at <= PEAK_HORIZON_S else 0
+        return count if time.perf_counter() - at <= PEAK_HORIZON_S else 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -176,9 +176,8 @@ class Scheduler:
         for seq in self.waiting:
             seq.blocked = True
         chunks = prefills + decodes
-        now = time.perf_counter()
-        if len(self.running) >= self.recent_peak(now):
-            self._peak = (len(self.running), now)
+        if len(self.running) >= self.recent_peak():
+            self._peak = (len(self.running), time.perf_counter())
         for chunk in chunks:
             end = chunk.start + chunk.length
             self.prefix.make_room(pages_for_tokens(end, self.pool.page_size) - len(self.pool.block_table(
