@@ -5,13 +5,16 @@ A real DiskTier (LMDB in tmp_path) and real shared memory; blocks of 256 bytes, 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from prometheus_client import REGISTRY
 
 from kvcached.__main__ import check_idle
 from kvcached.cache import KVCache
 from kvcached.l3 import L3, WritePolicy
-from kvcached.tiers.lmdb_tier import DiskTier
+from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier
+from radixserve.blocks.keys import BlockHash
 from radixserve.blocks.slab import EMPTY_KEY
 from tests.kvcache_helpers import BLOCK, FP, GEO, PAGE, SLOTS, TTL, Checked, FakeClock, segment, toks
 
@@ -82,6 +85,38 @@ def test_write_back_stores_only_what_l2_evicts_with_its_bytes(disk, close_all):
     assert (match.pages, match.l3_pages) == (4, 2)
     hashes = cache._hashes(cache.namespace(FP), "", toks(1, 2, 3, 4, 5, 6))
     assert disk.get(hashes[5]) == bytes([6]) * BLOCK
+
+
+class GatedSource:
+    """A queued block whose copy waits for `gate`: it holds the disk writer, so the test can act before the writer
+    reaches the blocks queued after it."""
+
+    nbytes = BLOCK
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def copy_into(self, out: memoryview) -> bool:
+        assert self.gate.wait(10)
+        out[:] = bytes(BLOCK)
+        return True
+
+
+def test_write_through_copies_a_slot_when_it_writes_it_and_drops_one_reused_meanwhile(disk, close_all):
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH)
+    close_all(cache)
+    held = GatedSource()
+    assert disk.put_async(FP, BlockHash(bytes(range(16))), ROOT_PARENT, held)
+    commit(cache, toks(1, 2, 3))  # queued behind the held block, not copied yet
+    pool = cache.namespace(FP).pool
+    reused = cache.allocate(FP, segment(cache), SLOTS - 2)  # 5 free: evicts page 3, the leaf end, and reuses its slot
+    for slot in reused.slots:
+        pool.view(slot)[:] = b"\xee" * BLOCK
+    held.gate.set()
+    assert stored(cache, disk) == 3 and disk.stats().dropped_writes == 1  # the held block and pages 1-2
+    hashes = cache._hashes(cache.namespace(FP), "", toks(1, 2, 3))
+    assert [disk.get(h) for h in hashes] == [bytes([1]) * BLOCK, bytes([2]) * BLOCK, None]
+    assert cache.match(FP, "", toks(1, 2, 3), lease=False).l3_pages == 0
 
 
 def test_a_slot_whose_header_does_not_name_the_block_never_reaches_l3(disk, close_all):

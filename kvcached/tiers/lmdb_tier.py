@@ -15,7 +15,10 @@ Threads and contracts
 - NOTE: LMDB allows one writer. Every write transaction (puts, evictions, deletion of corrupt blocks, namespace
   drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn.
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
-  `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents).
+  `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents). The block
+  comes as bytes or as a `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into
+  one reusable buffer: nothing copies on the caller's thread. A source that no longer holds the block by then (its
+  slot was reused) is a dropped write.
 - `get` / `read_into` may run on any thread, concurrently. They return a miss (None / False) for an absent block, a
   block that fails its checksum (counted in `corrupt_blocks`, then deleted by the writer) and any I/O error (the tier
   turns unhealthy; nothing is raised). What they return is a copy: it stays valid after the call.
@@ -61,7 +64,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import lmdb
 import xxhash
@@ -123,11 +126,35 @@ def stored_bytes(namespace: str, payload_len: int) -> int:
     return _HEAD.size + len(namespace.encode()) + payload_len
 
 
+class BlockSource(Protocol):
+    """A block's bytes, read when the writer stores the block rather than when it is queued."""
+
+    nbytes: int
+
+    def copy_into(self, out: memoryview) -> bool:
+        """Copies the block's `nbytes` bytes into `out`; False when the source no longer holds the block (then
+        `out` holds nothing usable)."""
+
+
+class _Bytes(NamedTuple):
+    """A block already copied out, e.g. from an L2 slot about to be reused."""
+
+    payload: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    def copy_into(self, out: memoryview) -> bool:
+        out[:] = self.payload
+        return True
+
+
 class _Put(NamedTuple):
     key: bytes
     parent: bytes
     namespace: bytes
-    payload: bytes
+    source: BlockSource
 
 
 class _Barrier(NamedTuple):
@@ -170,6 +197,7 @@ class DiskTier:
                                       "dropped_writes", "evictions", "io_errors"), 0)
         self._healthy, self._closed = True, False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._buffer = bytearray()  # the writer's: each value is encoded here, then copied by LMDB
         try:
             self._load()
         except lmdb.Error as exc:
@@ -180,9 +208,11 @@ class DiskTier:
 
     # ---- request path -------------------------------------------------------------------------------------------
 
-    def put_async(self, namespace: str, block_hash: BlockHash, parent_hash: BlockHash, payload: bytes) -> bool:
+    def put_async(self, namespace: str, block_hash: BlockHash, parent_hash: BlockHash,
+                  payload: bytes | BlockSource) -> bool:
         """Queues one block for writing; never blocks. False when it was dropped (queue full or tier closed).
         The tier keeps a reference to `payload`. Raises ValueError for a malformed hash or namespace."""
+        source = _Bytes(payload) if isinstance(payload, bytes) else payload
         ns = namespace.encode()
         if len(block_hash) != DIGEST_BYTES or len(parent_hash) != DIGEST_BYTES or len(ns) > _MAX_NS:
             raise ValueError(f"hashes must be {DIGEST_BYTES} bytes and the namespace at most {_MAX_NS}")
@@ -190,11 +220,11 @@ class DiskTier:
             if block_hash in self._lru:
                 self._lru.move_to_end(block_hash)
                 return True
-            if self._closed or self._queued + len(payload) > self._max_queue:
+            if self._closed or self._queued + source.nbytes > self._max_queue:
                 self._counts["dropped_writes"] += 1
                 return False
-            self._queued += len(payload)
-        self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, payload))
+            self._queued += source.nbytes
+        self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, source))
         return True
 
     def get(self, block_hash: BlockHash) -> bytes | None:
@@ -366,7 +396,7 @@ class DiskTier:
         namespace drops see them."""
         puts = [op for op in ops if isinstance(op, _Put)]
         with self._lock:
-            self._queued -= sum(len(p.payload) for p in puts)
+            self._queued -= sum(p.source.nbytes for p in puts)
             doomed = list(self._doomed)
         self._delete(doomed)
         self._write(puts)
@@ -380,7 +410,7 @@ class DiskTier:
         fresh = self._fresh(puts)
         if not fresh:
             return
-        need = sum(len(v) for _, v in fresh)
+        need = sum(_stored_size(p) for p in fresh)
         self._evict(self._bytes_used + need - self._budget)
         try:
             self._put_all(fresh)
@@ -389,37 +419,58 @@ class DiskTier:
             self._retry_put(fresh)
         except lmdb.Error as exc:
             self._fault("write", exc)
-            self._drop([key for key, _ in fresh])
+            self._drop([p.key for p in fresh])
 
-    def _retry_put(self, fresh: list[tuple[bytes, bytes]]) -> None:
+    def _retry_put(self, fresh: list[_Put]) -> None:
         try:
             self._put_all(fresh)
         except lmdb.MapFullError:
             log.warning("disk tier map full after evicting; dropping blocks",
                         extra={"path": self.path, "blocks": len(fresh)})
-            self._drop([key for key, _ in fresh])
+            self._drop([p.key for p in fresh])
 
-    def _fresh(self, puts: list[_Put]) -> list[tuple[bytes, bytes]]:
-        """(key, value) for the puts not stored yet, each key once; blocks larger than the budget are dropped."""
+    def _fresh(self, puts: list[_Put]) -> list[_Put]:
+        """The puts not stored yet, each key once; blocks larger than the budget are dropped."""
         with self._lock:
-            new = {p.key: p for p in puts if p.key not in self._lru}
-        fresh = [(key, _encode(p)) for key, p in new.items()]
-        fitting = [(key, value) for key, value in fresh if len(value) <= self._budget]
-        self._drop([key for key, value in fresh if len(value) > self._budget])
-        return fitting
+            new = list({p.key: p for p in puts if p.key not in self._lru}.values())
+        self._drop([p.key for p in new if _stored_size(p) > self._budget])
+        return [p for p in new if _stored_size(p) <= self._budget]
 
-    def _put_all(self, fresh: list[tuple[bytes, bytes]]) -> None:
+    def _put_all(self, fresh: list[_Put]) -> None:
+        """Stores `fresh` in one txn; a put whose source no longer holds its block is dropped."""
+        stored: list[tuple[bytes, int]] = []
+        void: list[bytes] = []
         with self._env.begin(write=True) as txn:
-            for key, value in fresh:
-                txn.put(key, value)
+            for put in fresh:
+                value = self._encode(put)
+                if value is None:
+                    void.append(put.key)
+                else:
+                    txn.put(put.key, value)
+                    stored.append((put.key, len(value)))
         with self._lock:
-            for key, value in fresh:
-                self._bytes_used -= self._doomed.pop(key, 0)  # doomed meanwhile: overwritten, not deleted
-                self._lru[key] = len(value)
+            for key, size in stored:
+                self._bytes_used += size - self._doomed.pop(key, 0)  # doomed meanwhile: overwritten, not deleted
+                self._lru[key] = size
                 self._events.append(TierEvent(EventKind.STORED, BlockHash(key)))
-            self._bytes_used += sum(len(v) for _, v in fresh)
-            self._counts["writes"] += len(fresh)
-            self._counts["bytes_written"] += sum(len(v) for _, v in fresh)
+            self._counts["writes"] += len(stored)
+            self._counts["bytes_written"] += sum(size for _, size in stored)
+        self._drop(void)
+
+    def _encode(self, put: _Put) -> memoryview | None:
+        """The value stored for `put` (layout: module docstring), written into the writer's buffer and valid until
+        the next call; None when its source no longer holds the block."""
+        start = _HEAD.size + len(put.namespace)
+        if len(self._buffer) < start + put.source.nbytes:
+            self._buffer = bytearray(start + put.source.nbytes)
+        value = memoryview(self._buffer)[:start + put.source.nbytes]
+        if not put.source.copy_into(value[start:]):
+            return None
+        value[_HEAD.size:start] = put.namespace
+        fields = (MAGIC, FORMAT_VERSION, len(put.namespace), put.source.nbytes)
+        _HEAD.pack_into(value, 0, *fields, 0, put.parent)  # the checksum covers its own field zeroed
+        _HEAD.pack_into(value, 0, *fields, _checksum((put.key, value)), put.parent)
+        return value
 
     def _evict(self, nbytes: int) -> None:
         """Deletes least-recently-used blocks until at least `nbytes` stored bytes are gone (or none are left)."""
@@ -504,14 +555,11 @@ def _open_env(path: str, map_size: int) -> lmdb.Environment:
 
 
 def _put_bytes(op: object) -> int:
-    return len(op.payload) if isinstance(op, _Put) else 0
+    return op.source.nbytes if isinstance(op, _Put) else 0
 
 
-def _encode(put: _Put) -> bytes:
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, len(put.namespace), len(put.payload), 0, put.parent)
-    checksum = _checksum((put.key, head, put.namespace, put.payload))
-    return b"".join((_HEAD.pack(MAGIC, FORMAT_VERSION, len(put.namespace), len(put.payload), checksum, put.parent),
-                     put.namespace, put.payload))
+def _stored_size(put: _Put) -> int:
+    return stored_bytes(put.namespace.decode(), put.source.nbytes)
 
 
 def _checksum(parts: Iterable[bytes | memoryview]) -> int:
