@@ -34,7 +34,7 @@ class EngineConfig(TransportSecurity):
                                             "--chunked-prefill-size")
     arrival_window_ms: float = setting(15.0, "when nothing runs, wait up to this long before a step, until as many "
                                              "requests wait as ran together in the last second (at least 2; with "
-                                             "no such count, until arrivals pause for a third of the window), so a "
+                                             "no such count, the whole window), so a "
                                              "round sent together prefills together and decodes in lock step; "
                                              "0 = off")
     max_waiting_requests: int = setting(64, "most requests queued for admission; past it a request is refused at "
