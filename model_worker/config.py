@@ -33,8 +33,8 @@ class EngineConfig(TransportSecurity):
                                             "running sequence's next token waits on it); at least "
                                             "--chunked-prefill-size")
     arrival_window_ms: float = setting(15.0, "when nothing runs, wait up to this long before a step, until as many "
-                                             "requests wait as ran together in the last second (at least 2; with "
-                                             "no such count, the whole window), so a "
+                                             "requests wait as ran together in the last second (when 2 or "
+                                             "more; else the whole window), so a "
                                              "round sent together prefills together and decodes in lock step; "
                                              "0 = off")
     max_waiting_requests: int = setting(64, "most requests queued for admission; past it a request is refused at "

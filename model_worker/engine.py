@@ -591,19 +591,20 @@ class Engine:
 
     def _await_returning_requests(self) -> None:
         """The arrival window: when nothing runs, waits up to `arrival_window_ms` before a step, until as many
-        requests wait as the most a step ran with in the last second (`Scheduler.recent_peak`), and at least two;
-        with no such count (the first burst after an idle second, whose size nothing tells) the whole window. A
-        closed-loop client sends its next request when one ends, and requests sent together reach the worker a few
-        milliseconds apart (4 sent at once: 11 ms from first to last, through the router, with gaps up to 6 ms);
-        admitted together, a round prefills in one step and decodes in lock step, instead of one request prefilling
-        while the others' decodes wait behind it, round after round. (Stopping at two, the quick suite's first
-        no-reuse round often started with 2 of 4, and those 2 decoded beside the others' prefill: 131 ms between
-        their tokens against 57.) No decode waits: nothing runs. A lone request waits the whole window."""
+        requests wait as the most a step ran with in the last second (`Scheduler.recent_peak`) when that was two or
+        more; otherwise the whole window (a burst after an idle second, or after a lone request such as a warm-up:
+        nothing tells its size). A closed-loop client sends its next request when one ends, and requests sent
+        together reach the worker a few milliseconds apart (4 sent at once: 11 ms from first to last, through the
+        router, gaps up to 6 ms); admitted together, a round prefills in one step and decodes in lock step, instead
+        of one request prefilling while the others' decodes wait behind it, round after round. (Stopping at two
+        after the quick suite's warm-up request, its first no-reuse round started with 2 of 4, and those 2 decoded
+        beside the others' prefill: 131 ms between their tokens against 57.) No decode waits: nothing runs. A lone
+        request waits the whole window."""
         if not self.config.arrival_window_ms or self.scheduler.running:
             return
         waiting = self.scheduler.waiting
         peak = self.scheduler.recent_peak()
-        expected = max(peak, 2) if peak else math.inf
+        expected = peak if peak >= 2 else math.inf
         self._cond.wait_for(lambda: self._stopping or len(waiting) >= expected, self.config.arrival_window_ms / 1e3)
 
     def _abort_running(self) -> None:

@@ -152,12 +152,15 @@ def finished(*outputs: list[RequestOutput]) -> bool:
 
 
 def test_the_arrival_window_admits_a_burst_of_unknown_size_in_one_step(tiny_llama_dir):
-    """No step ran lately, so nothing tells how many will come: two requests arrive together and a third 100 ms
-    later; the first waits the whole window and all three start in the same step."""
+    """Only a lone request ran lately (a warm-up), so nothing tells how many will come: two requests arrive together
+    and a third 100 ms later; the first waits the whole window and all three start in the same step."""
     engine = make_engine(tiny_llama_dir, arrival_window_ms=300)
     order: list[str] = []
     engine.start()
     try:
+        warm_up = add_in_order(engine, order, "warm-up", PROMPTS[3])
+        assert wait_for(lambda: finished(warm_up), 30)
+        order.clear()
         burst = [add_in_order(engine, order, f"burst-{i}", PROMPTS[i]) for i in range(2)]
         time.sleep(0.1)
         burst.append(add_in_order(engine, order, "burst-2", PROMPTS[2]))
