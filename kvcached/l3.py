@@ -10,7 +10,8 @@ Write policies (`--write-policy`), all asynchronous (`DiskTier.put_async` queues
 - write_back: a block when it is evicted from L2 (its bytes are copied out before the slot is reused).
 The first two queue the slot itself (`SlotSource`), which the disk writer copies from: the event loop copies
 nothing (copying a committed prompt's blocks out here held it 26 ms per 64 blocks, 1.8 GB/s into fresh memory,
-delaying the MatchPrefix calls behind it). A slot reused before the writer reaches it is a dropped write.
+delaying the MatchPrefix calls behind it). A queued block that L2 evicts first is copied out at its eviction, like
+write-back's, so it still reaches L3; a slot reused by any other path is a dropped write (the seqlock).
 """
 
 from __future__ import annotations
@@ -38,20 +39,35 @@ class WritePolicy(Choice):
 class SlotSource:
     """An L2 slot's bytes as the disk writer finds them: the block's only while the slot keeps the generation and key
     it had when the write was queued. The generation is read again after the copy (the slab's seqlock), so a slot
-    reallocated meanwhile voids the copy. Called on the writer's thread."""
+    reallocated meanwhile voids the copy, unless `freeze` (event loop, at the block's eviction, before the slot is
+    freed) copied the bytes out first: then they are used. `copy_into` runs on the writer's thread."""
 
     def __init__(self, pool: SlabPool, slot: int, block_hash: BlockHash) -> None:
         self._pool, self._slot, self._key = pool, slot, bytes(block_hash)
         self._generation = pool.generation(slot)
+        self._frozen: bytes | None = None
         self.nbytes = pool.slot_bytes
 
+    def freeze(self) -> None:
+        """Copies the slot's bytes out now: the slot is about to be reused."""
+        if self._frozen is None and self._intact():
+            self._frozen = bytes(self._pool.view(self._slot))
+
     def copy_into(self, out: memoryview) -> bool:
-        header = self._pool.segment.header(self._slot)
-        if header.generation != self._generation or header.key != self._key:
+        if self._frozen is None and self._intact():
+            with self._pool.view(self._slot) as slot:
+                out[:] = slot
+            if self._pool.generation(self._slot) == self._generation:
+                return True
+        frozen = self._frozen  # set before the slot could be reused, so read after the generation moved
+        if frozen is None:
             return False
-        with self._pool.view(self._slot) as slot:
-            out[:] = slot
-        return self._pool.generation(self._slot) == self._generation
+        out[:] = frozen
+        return True
+
+    def _intact(self) -> bool:
+        header = self._pool.segment.header(self._slot)
+        return header.generation == self._generation and header.key == self._key
 
 
 class L3:
@@ -60,6 +76,7 @@ class L3:
         self.policy = policy
         self._blocks: set[BlockHash] = {meta.hash for meta in disk.scan()}
         self._hits: dict[BlockHash, int] = {}
+        self._queued: dict[BlockHash, SlotSource] = {}  # write-through blocks the writer has not stored or dropped yet
         self.unverified_blocks = 0  # slots whose header did not name the block about to be stored
         log.info("disk tier open", extra={"blocks": len(self._blocks), "write_policy": policy.value})
 
@@ -69,6 +86,7 @@ class L3:
     def refresh(self) -> None:
         """Applies the tier's evictions, corrupt-block deletions and namespace drops to the set."""
         for event in self.disk.take_events():
+            self._queued.pop(event.block_hash, None)
             if event.kind is EventKind.REMOVED:
                 self._blocks.discard(event.block_hash)
                 self._hits.pop(event.block_hash, None)
@@ -103,6 +121,8 @@ class L3:
     def evicted(self, namespace: str, pool: SlabPool, blocks: Sequence[EvictedBlock]) -> None:
         """`blocks` leave L2; their slots are still intact."""
         for block in blocks:
+            if queued := self._queued.pop(block.block_hash, None):
+                queued.freeze()  # its slot is reused next: the writer copies these bytes instead
             if self.policy is WritePolicy.WRITE_BACK:  # the slot is reused next: copy its bytes out now
                 self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot, copy=True)
             self._hits.pop(block.block_hash, None)
@@ -120,3 +140,5 @@ class L3:
         source: bytes | BlockSource = bytes(pool.view(slot)) if copy else SlotSource(pool, slot, block_hash)
         if self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, source):
             self._blocks.add(block_hash)
+            if not copy:
+                self._queued[block_hash] = source

@@ -49,7 +49,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import sys
 import threading
 import time
@@ -600,19 +599,19 @@ class Engine:
     def _await_returning_requests(self) -> None:
         """The arrival window: when nothing runs, waits up to `arrival_window_ms` before a step, until as many
         requests wait as the most a step ran with in the last second (`Scheduler.recent_peak`) when that was two or
-        more; otherwise the whole window (a burst after an idle second, or after a lone request such as a warm-up:
-        nothing tells its size). A closed-loop client sends its next request when one ends, and requests sent
-        together reach the worker a few milliseconds apart (4 sent at once: 11 ms from first to last, through the
-        router, gaps up to 6 ms); admitted together, a round prefills in one step and decodes in lock step, instead
-        of one request prefilling while the others' decodes wait behind it, round after round. (Stopping at two
-        after the quick suite's warm-up request, its first no-reuse round started with 2 of 4, and those 2 decoded
-        beside the others' prefill: 131 ms between their tokens against 57.) No decode waits: nothing runs. A lone
-        request waits the whole window."""
+        more; otherwise the whole window, or until a full batch (`max_running_requests`) waits (a burst after an idle
+        second, or after a lone request such as a warm-up: nothing tells its size). A closed-loop client sends its
+        next request when one ends, and requests sent together reach the worker a few milliseconds apart (4 sent at
+        once: 11 ms from first to last, through the router, gaps up to 6 ms); admitted together, a round prefills in
+        one step and decodes in lock step, instead of one request prefilling while the others' decodes wait behind
+        it, round after round. (Stopping at two after the quick suite's warm-up request, its first no-reuse round
+        started with 2 of 4, and those 2 decoded beside the others' prefill: 131 ms between their tokens against
+        57.) No decode waits: nothing runs. A lone request waits the whole window."""
         if not self.config.arrival_window_ms or self.scheduler.running:
             return
         waiting = self.scheduler.waiting
         peak = self.scheduler.recent_peak()
-        expected = peak if peak >= 2 else math.inf
+        expected = peak if peak >= 2 else self.scheduler.max_running  # a full batch needs no more waiting
         self._cond.wait_for(lambda: self._stopping or len(waiting) >= expected, self.config.arrival_window_ms / 1e3)
 
     def _abort_running(self) -> None:

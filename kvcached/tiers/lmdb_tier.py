@@ -18,7 +18,7 @@ Threads and contracts
   `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents). The block
   comes as bytes or as a `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into
   one reusable buffer: nothing copies on the caller's thread. A source that no longer holds the block by then (its
-  slot was reused) is a dropped write.
+  slot was reused), or whose copy raises, is a dropped write.
 - `get` / `read_into` may run on any thread, concurrently. They return a miss (None / False) for an absent block, a
   block that fails its checksum (counted in `corrupt_blocks`, then deleted by the writer) and any I/O error (the tier
   turns unhealthy; nothing is raised). What they return is a copy: it stays valid after the call.
@@ -26,7 +26,7 @@ Threads and contracts
 - `take_events` drains the STORED / REMOVED events since the last call, in commit order, so the daemon can keep
   its index in step with evictions; they accumulate until taken. A queued block whose write the writer drops (larger
   than the budget, map still full after evicting, an I/O error) gets a REMOVED event too: the daemon counts a block
-  as stored once `put_async` accepts it, and must not match it afterwards.
+  as stored once `put_async` accepts it, and must not match it afterwards (a void source is such a drop).
 - `check_integrity()` (tests, idle daemon): the keys in LMDB are exactly the tracked blocks plus those awaiting
   deletion, and `bytes_used` is the sum of their stored sizes.
 
@@ -127,7 +127,9 @@ def stored_bytes(namespace: str, payload_len: int) -> int:
 
 
 class BlockSource(Protocol):
-    """A block's bytes, read when the writer stores the block rather than when it is queued."""
+    """A block's bytes, read when the writer stores the block rather than when it is queued: `copy_into` runs on the
+    writer's thread, possibly twice (a batch retried after a full map), and whatever it reads must stay open until
+    the tier is flushed or closed."""
 
     nbytes: int
 
@@ -209,10 +211,10 @@ class DiskTier:
     # ---- request path -------------------------------------------------------------------------------------------
 
     def put_async(self, namespace: str, block_hash: BlockHash, parent_hash: BlockHash,
-                  payload: bytes | BlockSource) -> bool:
+                  payload: bytes | bytearray | memoryview | BlockSource) -> bool:
         """Queues one block for writing; never blocks. False when it was dropped (queue full or tier closed).
         The tier keeps a reference to `payload`. Raises ValueError for a malformed hash or namespace."""
-        source = _Bytes(payload) if isinstance(payload, bytes) else payload
+        source = _Bytes(bytes(payload)) if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         ns = namespace.encode()
         if len(block_hash) != DIGEST_BYTES or len(parent_hash) != DIGEST_BYTES or len(ns) > _MAX_NS:
             raise ValueError(f"hashes must be {DIGEST_BYTES} bytes and the namespace at most {_MAX_NS}")
@@ -464,7 +466,12 @@ class DiskTier:
         if len(self._buffer) < start + put.source.nbytes:
             self._buffer = bytearray(start + put.source.nbytes)
         value = memoryview(self._buffer)[:start + put.source.nbytes]
-        if not put.source.copy_into(value[start:]):
+        try:
+            copied = put.source.copy_into(value[start:])
+        except Exception as exc:  # e.g. its pool closed under a writer that outlived close()'s timeout
+            log.warning("disk tier could not read a queued block; dropping it", extra={"error": repr(exc)[:300]})
+            copied = False
+        if not copied:
             return None
         value[_HEAD.size:start] = put.namespace
         fields = (MAGIC, FORMAT_VERSION, len(put.namespace), put.source.nbytes)
