@@ -123,7 +123,11 @@ class DiskTierStats:
 
 def stored_bytes(namespace: str, payload_len: int) -> int:
     """What one block counts against the budget: header + namespace + payload."""
-    return _HEAD.size + len(namespace.encode()) + payload_len
+    return _stored_size(namespace.encode(), payload_len)
+
+
+def _stored_size(namespace: bytes, payload_len: int) -> int:
+    return _HEAD.size + len(namespace) + payload_len
 
 
 class BlockSource(Protocol):
@@ -412,7 +416,7 @@ class DiskTier:
         fresh = self._fresh(puts)
         if not fresh:
             return
-        need = sum(_stored_size(p) for p in fresh)
+        need = sum(_put_size(p) for p in fresh)
         self._evict(self._bytes_used + need - self._budget)
         try:
             self._put_all(fresh)
@@ -435,8 +439,8 @@ class DiskTier:
         """The puts not stored yet, each key once; blocks larger than the budget are dropped."""
         with self._lock:
             new = list({p.key: p for p in puts if p.key not in self._lru}.values())
-        self._drop([p.key for p in new if _stored_size(p) > self._budget])
-        return [p for p in new if _stored_size(p) <= self._budget]
+        self._drop([p.key for p in new if _put_size(p) > self._budget])
+        return [p for p in new if _put_size(p) <= self._budget]
 
     def _put_all(self, fresh: list[_Put]) -> None:
         """Stores `fresh` in one txn; a put whose source no longer holds its block is dropped."""
@@ -462,10 +466,10 @@ class DiskTier:
     def _encode(self, put: _Put) -> memoryview | None:
         """The value stored for `put` (layout: module docstring), written into the writer's buffer and valid until
         the next call; None when its source no longer holds the block."""
-        start = _HEAD.size + len(put.namespace)
-        if len(self._buffer) < start + put.source.nbytes:
-            self._buffer = bytearray(start + put.source.nbytes)
-        value = memoryview(self._buffer)[:start + put.source.nbytes]
+        start, end = _HEAD.size + len(put.namespace), _put_size(put)
+        if len(self._buffer) < end:
+            self._buffer = bytearray(end)
+        value = memoryview(self._buffer)[:end]
         try:
             copied = put.source.copy_into(value[start:])
         except Exception as exc:  # e.g. its pool closed under a writer that outlived close()'s timeout
@@ -565,8 +569,8 @@ def _put_bytes(op: object) -> int:
     return op.source.nbytes if isinstance(op, _Put) else 0
 
 
-def _stored_size(put: _Put) -> int:
-    return stored_bytes(put.namespace.decode(), put.source.nbytes)
+def _put_size(put: _Put) -> int:
+    return _stored_size(put.namespace, put.source.nbytes)
 
 
 def _checksum(parts: Iterable[bytes | memoryview]) -> int:
