@@ -8,10 +8,11 @@ Write policies (`--write-policy`), all asynchronous (`DiskTier.put_async` queues
 - write_through: every committed block;
 - write_through_selective: a block once it has been hit twice by MatchPrefix;
 - write_back: a block when it is evicted from L2 (its bytes are copied out before the slot is reused).
-The first two queue the slot itself (`SlotSource`), which the disk writer copies from: the event loop copies
-nothing (copying a committed prompt's blocks out here held it 26 ms per 64 blocks, 1.8 GB/s into fresh memory,
-delaying the MatchPrefix calls behind it). A queued block that L2 evicts first is copied out at its eviction, like
-write-back's, so it still reaches L3; a slot reused by any other path is a dropped write (the seqlock).
+Each queues the slot itself (`SlotSource`), which the disk writer copies from: for the first two the event loop
+copies nothing (copying a committed prompt's blocks out here held it 26 ms per 64 blocks, 1.8 GB/s into fresh
+memory, delaying the MatchPrefix calls behind it). A block leaving L2 before the writer reaches it, and every
+write-back block, is copied out at its eviction (`SlotSource.freeze`), so it still reaches L3; a slot reused by any
+other path is a dropped write (the seqlock).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 from collections.abc import Sequence
 
 from kvcached.tiers.dram_shm import SlabPool
-from kvcached.tiers.lmdb_tier import ROOT_PARENT, BlockSource, DiskTier, EventKind
+from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind
 from radixserve.blocks.keys import BlockHash
 from radixserve.blocks.radix import EvictedBlock
 from radixserve.config import Choice
@@ -76,7 +77,7 @@ class L3:
         self.policy = policy
         self._blocks: set[BlockHash] = {meta.hash for meta in disk.scan()}
         self._hits: dict[BlockHash, int] = {}
-        self._queued: dict[BlockHash, SlotSource] = {}  # write-through blocks the writer has not stored or dropped yet
+        self._queued: dict[BlockHash, SlotSource] = {}  # blocks the writer has not stored or dropped yet
         self.unverified_blocks = 0  # slots whose header did not name the block about to be stored
         log.info("disk tier open", extra={"blocks": len(self._blocks), "write_policy": policy.value})
 
@@ -123,12 +124,12 @@ class L3:
         for block in blocks:
             if queued := self._queued.pop(block.block_hash, None):
                 queued.freeze()  # its slot is reused next: the writer copies these bytes instead
-            if self.policy is WritePolicy.WRITE_BACK:  # the slot is reused next: copy its bytes out now
-                self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot, copy=True)
+            if self.policy is WritePolicy.WRITE_BACK:
+                self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot, evicting=True)
             self._hits.pop(block.block_hash, None)
 
     def _store(self, namespace: str, pool: SlabPool, block_hash: BlockHash, parent: BlockHash | None,
-               slot: int, copy: bool = False) -> None:
+               slot: int, evicting: bool = False) -> None:
         if block_hash in self._blocks or not self.disk.healthy:
             return
         if pool.segment.header(slot).key != block_hash:  # only bytes the index vouches for become durable
@@ -137,8 +138,9 @@ class L3:
                       extra={"slot": slot, "block": block_hash.hex()})
             return
         # Counted as stored at once: a read that races the writer is a miss, and a miss only costs a recompute.
-        source: bytes | BlockSource = bytes(pool.view(slot)) if copy else SlotSource(pool, slot, block_hash)
+        source = SlotSource(pool, slot, block_hash)
+        if evicting:  # the slot is reused next
+            source.freeze()
         if self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, source):
             self._blocks.add(block_hash)
-            if not copy:
-                self._queued[block_hash] = source
+            self._queued[block_hash] = source
