@@ -107,15 +107,17 @@ def test_write_through_copies_a_slot_when_it_writes_it_or_when_l2_evicts_it_firs
     close_all(cache)
     held = GatedSource()
     assert disk.put_async(FP, BlockHash(bytes(range(16))), ROOT_PARENT, held)
-    commit(cache, toks(1, 2, 3))  # queued behind the held block, not copied yet
-    pool = cache.namespace(FP).pool
-    hashes = cache._hashes(cache.namespace(FP), "", toks(1, 2, 3))
-    page_2 = next(slot for slot in range(SLOTS) if pool.segment.header(slot).key == hashes[1])
-    pool.set_key(page_2, bytes(range(16)))  # as if page 2's slot had been rewritten behind the index's back
-    reused = cache.allocate(FP, segment(cache), SLOTS - 2)  # 5 free: evicts page 3, the leaf end, and reuses its slot
-    for slot in reused.slots:
-        pool.view(slot)[:] = b"\xee" * BLOCK
-    held.gate.set()
+    try:
+        commit(cache, toks(1, 2, 3))  # queued behind the held block, not copied yet
+        pool = cache.namespace(FP).pool
+        hashes = cache._hashes(cache.namespace(FP), "", toks(1, 2, 3))
+        page_2 = next(slot for slot in range(SLOTS) if pool.segment.header(slot).key == hashes[1])
+        pool.set_key(page_2, bytes(range(16)))  # as if page 2's slot had been rewritten behind the index's back
+        reused = cache.allocate(FP, segment(cache), SLOTS - 2)  # 5 free: evicts page 3, the leaf end, reuses its slot
+        for slot in reused.slots:
+            pool.view(slot)[:] = b"\xee" * BLOCK
+    finally:  # a failure above must not leave the writer held
+        held.gate.set()
     # page 3 was copied out at its eviction; page 2's slot no longer vouches for it: dropped, never a wrong block
     assert stored(cache, disk) == 3 and disk.stats().dropped_writes == 1
     assert [disk.get(h) for h in hashes] == [bytes([1]) * BLOCK, None, bytes([3]) * BLOCK]
