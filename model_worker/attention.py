@@ -101,8 +101,6 @@ class SdpaBackend(AttentionBackend):
     the next one overwrites it.
     """
 
-    masks_decode = True  # decode rows of unequal contexts need `decode_mask`
-
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
         self._gathered = (pool.k_layers[0][:0].clone(), pool.v_layers[0][:0].clone())
@@ -148,7 +146,7 @@ class SdpaBackend(AttentionBackend):
             tables.append(own + [own[0]] * (max_pages - len(own)))
         lengths = torch.tensor(contexts, dtype=torch.long, device=device)
         mask = None
-        if min(contexts) != max_context and self.masks_decode:
+        if min(contexts) != max_context:
             allowed = torch.arange(max_context, device=device)[None, :] < lengths[:, None]
             mask = additive_mask(allowed, self.pool.kv.dtype)[:, None, None, :]
         return dict(
@@ -202,21 +200,43 @@ class SdpaBackend(AttentionBackend):
         return out.view(batch, -1)
 
 
-PAGED_CPU_HEAD_DIMS = (64, 128)  # what `paged_decode_attention` is compiled for
+PAGED_CPU_HEAD_DIMS = (64, 128)  # what `paged_attention` is compiled for
 
 
-class PagedCpuBackend(SdpaBackend):
-    """`SdpaBackend` whose decode rows attend through `torch.ops.radixserve.paged_decode_attention`
-    (`model_worker.cpu_kernels`, float32): K/V read in place through the block tables, no gather and no mask, one
-    read per group of query heads. Prefill parts stay on SDPA.
-    Batch 4, ~270 tokens of context, 30 layers, under the profiler: 3.9 ms a step against 7.6 for the gathers and
-    SDPA (Intel Xeon, 2 cores; docs/design.md section 9)."""
+@dataclass(frozen=True)
+class PagedMetadata:
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    block_tables: torch.Tensor  # int64 [chunks, max_pages], short tables padded with page 0 (never read)
+    starts: torch.Tensor  # int64 [chunks]
+    lengths: torch.Tensor  # int64 [chunks]
 
-    masks_decode = False
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: SdpaMetadata) -> torch.Tensor:
-        return torch.ops.radixserve.paged_decode_attention(q, self.pool.k_layers[layer], self.pool.v_layers[layer],
-                                                           meta.decode_pages, meta.decode_lengths, self.scale)
+class PagedCpuBackend(AttentionBackend):
+    """Every chunk, prefill part or decode row, attends through `torch.ops.radixserve.paged_attention`
+    (`model_worker.cpu_kernels`, float32) in one call a layer: K/V read in place through the block tables, no
+    gather and no mask, one read per group of query heads, and each row computed the same way whatever the batch
+    beside it, so a token's K/V are the same computed in a decode step, a cold prefill or over a cached prefix."""
+
+    def prepare(self, chunks: list[Chunk]) -> PagedMetadata:
+        device = self.pool.kv.device
+        pages, offsets = slot_indices(chunks, self.pool.page_size)
+        tables = [chunk.block_table[:pages_for_tokens(chunk.start + chunk.length, self.pool.page_size)]
+                  for chunk in chunks]
+        width = max(len(table) for table in tables)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return PagedMetadata(write_pages=tensor(pages), write_offsets=tensor(offsets),
+                             block_tables=tensor([table + [0] * (width - len(table)) for table in tables]),
+                             starts=tensor([chunk.start for chunk in chunks]),
+                             lengths=tensor([chunk.length for chunk in chunks]))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        self.pool.write(layer, meta.write_pages, meta.write_offsets, k, v)
+        return torch.ops.radixserve.paged_attention(q, self.pool.k_layers[layer], self.pool.v_layers[layer],
+                                                    meta.block_tables, meta.starts, meta.lengths, self.scale)
 
 
 # -- flash-attn (CUDA only) --------------------------------------------------------------------------------------
@@ -289,9 +309,9 @@ FLASH_PAGE_MULTIPLE = 256  # NOTE: flash-attn 2's paged kernels need page_block_
 
 def select_backend(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                    kernels: bool = False) -> AttentionBackend:
-    """flash-attn when the pool is on CUDA, its page size suits the kernels and `flash_attn` imports; else SDPA,
-    with the paged CPU decode kernel when `kernels` (the fused CPU kernels are loaded; float32 CPU pool) and the
-    head size is one it is compiled for."""
+    """flash-attn when the pool is on CUDA, its page size suits the kernels and `flash_attn` imports; else the paged
+    CPU kernel when `kernels` (the fused CPU kernels are loaded; float32 CPU pool) and the head size is one it is
+    compiled for; else SDPA."""
     reason = _flash_unusable_reason(pool)
     if reason is None:
         try:
@@ -299,7 +319,7 @@ def select_backend(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: in
         except ImportError as exc:
             reason = f"flash_attn does not import ({exc})"
     if kernels and head_dim in PAGED_CPU_HEAD_DIMS:
-        log.info("attention backend: torch SDPA, paged CPU decode kernel", extra={"reason": reason})
+        log.info("attention backend: paged CPU kernel", extra={"reason": reason})
         return PagedCpuBackend(pool, num_heads, num_kv_heads, head_dim)
     log.info("attention backend: torch SDPA", extra={"reason": reason})
     return SdpaBackend(pool, num_heads, num_kv_heads, head_dim)

@@ -8,8 +8,9 @@ linear that streamed megabytes of weights. The kernels do that work in fewer pas
 - `silu_mul(gate_up)`: SiLU of the first half times the second,
 - `rope_(qkv, cos, sin, positions, rotated)`: RoPE in place on the q and k heads of the fused projection's output,
   bit for bit torch's ops,
-- `paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)`: one new token per sequence
-  attending to its pages in place, one read of K/V per group of query heads (GQA); head_dim 64 or 128.
+- `paged_attention(q, k_cache, v_cache, block_tables, starts, lengths, scale)`: causal attention of chunks of new
+  tokens (prefill parts and decode rows alike) over their sequences' pages, read in place: no gather, no mask, one
+  read of each K/V page per group of query heads (GQA) and up to 16 positions; head_dim 64 or 128.
 
 Each computes a row alone, in the same order whatever the batch, so K/V and outputs do not depend on the batch
 (caching never changes output); they round differently from torch's kernels (~1e-6 relative).

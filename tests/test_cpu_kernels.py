@@ -62,38 +62,55 @@ def test_each_row_is_computed_alone():
     assert torch.equal(ops().silu_mul(gate_up)[7], ops().silu_mul(gate_up[7:8])[0])
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_paged_decode_matches_sdpa_and_is_batch_independent(dim):
-    """Decode rows of unequal contexts (one page, a partial page, 8-token blocks and tails) through the paged
-    kernel against SDPA over gathered K/V; a row alone gives the same bits as in the batch."""
+@pytest.mark.parametrize("dim, page", [(64, 16), (128, 16), (64, 5)])  # 5: pages that end inside a vector
+def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page):
+    """Prefill parts (cold, over a cached prefix, longer than a task's 16 positions) and decode rows of unequal
+    contexts in one call, against SDPA over gathered K/V; then one part's rows again, one at a time as decode rows
+    and in parts of another length: the same bits, so a token's attention does not depend on its batch or on where
+    its chunk starts."""
     torch.manual_seed(0)
-    heads, kv_heads, page = 9, 3, 16
-    pool = KVPool(64, BlockGeometry(2, kv_heads, dim, page, "float32"))
+    heads, kv_heads = 9, 3
+    pool = KVPool(256, BlockGeometry(2, kv_heads, dim, page, "float32"))
     pool.kv.normal_()
-    contexts = [1, 7, 16, 29, 300]
+    parts = [(0, 37), (299, 1), (16, 20), (6, 1), (0, 1), (250, 70), (33, 3)]  # (start, length)
     chunks = []
-    for i, context in enumerate(contexts):
-        pool.ensure_capacity(i, context)
-        chunks.append(Chunk(pool.block_table(i), context - 1, 1))
-    q, (k, v) = torch.randn(len(contexts), heads, dim), torch.randn(2, len(contexts), kv_heads, dim)
+    for i, (start, length) in enumerate(parts):
+        pool.ensure_capacity(i, start + length)
+        chunks.append(Chunk(pool.block_table(i), start, length))
+    qkv = torch.randn(sum(length for _, length in parts), heads + 2 * kv_heads, dim)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]  # strided, as the model's
     sdpa, paged = SdpaBackend(pool, heads, kv_heads, dim), PagedCpuBackend(pool, heads, kv_heads, dim)
     expected = sdpa.attend(1, q, k, v, sdpa.prepare(chunks))
     got = paged.attend(1, q, k, v, paged.prepare(chunks))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    alone = paged.attend(1, q[3:4], k[3:4], v[3:4], paged.prepare(chunks[3:4]))
-    assert torch.equal(alone[0], got[3])
+
+    first = sum(length for _, length in parts[:5])  # the (250, 70) part's first row
+    block_table = pool.block_table(5)
+    for pieces in (1, 13):
+        for offset in range(0, 70, pieces):
+            rows = slice(first + offset, first + min(offset + pieces, 70))
+            n = rows.stop - rows.start
+            alone = paged.attend(1, q[rows], k[rows], v[rows], paged.prepare([Chunk(block_table, 250 + offset, n)]))
+            assert torch.equal(alone, got[rows]), (pieces, offset)
 
 
-def test_paged_decode_refuses_what_it_cannot_read():
+def test_paged_attention_refuses_what_it_cannot_read():
     pool = KVPool(4, BlockGeometry(1, 1, 64, 16, "float32"))
-    q, table = torch.zeros(1, 1, 64), torch.tensor([[0, 1]])
-    k, v = pool.k_layers[0], pool.v_layers[0]
+    q, table, k, v = torch.zeros(1, 1, 64), torch.tensor([[0, 1]]), pool.k_layers[0], pool.v_layers[0]
+
+    def attend(q, k, v, table, start, length):
+        return ops().paged_attention(q, k, v, table, torch.tensor([start]), torch.tensor([length]), 0.125)
+
     with pytest.raises(RuntimeError, match="out of the block table"):
-        ops().paged_decode_attention(q, k, v, table, torch.tensor([33]), 0.125)
+        attend(q, k, v, table, 32, 1)
     with pytest.raises(RuntimeError, match="page out of range"):
-        ops().paged_decode_attention(q, k, v, torch.tensor([[0, 9]]), torch.tensor([20]), 0.125)
+        attend(q, k, v, torch.tensor([[0, 9]]), 19, 1)
     with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
-        ops().paged_decode_attention(q[..., :32], k[..., :32], v[..., :32], table, torch.tensor([3]), 0.125)
+        attend(q[..., :32], k[..., :32], v[..., :32], table, 2, 1)
+    with pytest.raises(RuntimeError, match="lengths must sum to q's 1 rows"):
+        attend(q, k, v, table, 0, 2)
+    with pytest.raises(RuntimeError, match="at least one token"):
+        attend(q, k, v, table, 0, 0)
 
 
 def test_select_backend_uses_the_paged_kernel_only_where_it_applies():

@@ -1,4 +1,4 @@
-// Fused float32 CPU kernels for the model's decode path (model_worker/cpu_kernels.py builds and loads them).
+// Fused float32 CPU kernels for the model's forward (model_worker/cpu_kernels.py builds and loads them).
 //
 // Every kernel computes each token row on its own, in an order that does not depend on how many rows the call
 // has, so a token's hidden state and K/V are the same in a decode step of 1 or of 16 and in a prefill chunk:
@@ -192,145 +192,308 @@ void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const 
   });
 }
 
-// dots[t] = dot(query, rows + t * stride) for t < 8 over DIM: eight 8-lane partial sums reduced together by a
-// transpose of horizontal adds, instead of one horizontal sum per dot product.
-template <int DIM>
-inline __m256 dot8(const float* query, const float* rows, int64_t stride) {
-  __m256 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-  for (int d = 0; d < DIM; d += kLanes) {
-    const __m256 q = _mm256_loadu_ps(query + d);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(q, _mm256_loadu_ps(rows + t * stride + d), acc[t]);
+// -- paged attention ---------------------------------------------------------------------------------------------
+// Each query row (one token, one query head) is computed by the same sequence of operations whatever the call
+// holds beside it: its scores one FMA chain over the head dimension each, then page by page (pages at fixed
+// positions, 0, page_size, ...) an online softmax step and the weighted sum of V in position order. A token's
+// attention, and so its K/V in the next layer, is the same in a decode step, in a prefill chunk of any length and
+// over a cached prefix (caching never changes output). Blocking over rows only shares loads of K and V.
+
+constexpr int64_t kTilePositions = 16;  // query positions a task takes: each K/V page read serves them all
+constexpr int kScoreRows = 6;           // rows the score micro-kernel keeps in registers (x 2 vectors)
+constexpr int kWeighRows = 3;           // rows the weighted-sum micro-kernel keeps in registers (x 4 vectors)
+
+inline int64_t round_up8(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+inline float horizontal_max(__m256 v) {
+  const __m128 halves = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_max_ps(halves, _mm_movehl_ps(halves, halves));
+  return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+// dst[d * dst_stride + t] = src[t * src_stride + d] for t, d < 8.
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
   }
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
 }
 
+// keys [count][DIM] (rows `stride` apart) -> kt [DIM][width], lanes [count, width) zero.
 template <int DIM>
-inline float dot(const float* a, const float* b) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int d = 0; d < DIM; d += kLanes) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return horizontal_sum(acc);
+void transpose_keys(const float* keys, int64_t stride, int64_t count, float* kt, int64_t width) {
+  int64_t t = 0;
+  for (; t + kLanes <= count; t += kLanes)
+    for (int d = 0; d < DIM; d += kLanes) transpose8(keys + t * stride + d, stride, kt + d * width + t, width);
+  for (int d = 0; d < DIM; ++d)
+    for (int64_t u = t; u < width; ++u) kt[d * width + u] = u < count ? keys[u * stride + d] : 0.f;
 }
 
-// One (sequence, KV head) of `paged_decode_attention`.
-struct DecodeTask {
-  const float* q;  // the group's first query head; the others `q_head_stride` apart
-  int64_t q_head_stride;
-  const float* k;  // position t of this KV head: k + table[t / page_size] * k_page + (t % page_size) * k_token
+// s[r][lane0 + l] = sum over d, in order, of q[r][d] * kt[d][lane0 + l], one FMA chain per score, for NV vectors.
+template <int DIM, int NR, int NV>
+inline void score_block(const float* const* q, const float* kt, int64_t width, int64_t lane0, float* s,
+                        int64_t s_stride) {
+  __m256 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int d = 0; d < DIM; ++d) {
+    __m256 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = _mm256_loadu_ps(kt + d * width + lane0 + v * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(qd, k[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(s + r * s_stride + lane0 + v * kLanes, acc[r][v]);
+}
+
+template <int DIM, int NR>
+void score_rows(const float* const* q, const float* kt, int64_t width, int64_t lanes, float* s, int64_t s_stride) {
+  int64_t lane0 = 0;
+  for (; lane0 + 2 * kLanes <= lanes; lane0 += 2 * kLanes) score_block<DIM, NR, 2>(q, kt, width, lane0, s, s_stride);
+  if (lane0 < lanes) score_block<DIM, NR, 1>(q, kt, width, lane0, s, s_stride);
+}
+
+// Raw scores of `rows` query rows over a page's `lanes` (a multiple of 8) transposed keys.
+template <int DIM>
+void score(const float* const* q, int64_t rows, const float* kt, int64_t width, int64_t lanes, float* s,
+           int64_t s_stride) {
+  for (int64_t r = 0; r < rows; r += kScoreRows) {
+    const float* const* block = q + r;
+    float* out = s + r * s_stride;
+    switch (std::min<int64_t>(kScoreRows, rows - r)) {
+      case 1: score_rows<DIM, 1>(block, kt, width, lanes, out, s_stride); break;
+      case 2: score_rows<DIM, 2>(block, kt, width, lanes, out, s_stride); break;
+      case 3: score_rows<DIM, 3>(block, kt, width, lanes, out, s_stride); break;
+      case 4: score_rows<DIM, 4>(block, kt, width, lanes, out, s_stride); break;
+      case 5: score_rows<DIM, 5>(block, kt, width, lanes, out, s_stride); break;
+      default: score_rows<DIM, 6>(block, kt, width, lanes, out, s_stride); break;
+    }
+  }
+}
+
+// A query row's online softmax: the largest score so far, the sum of e^(score - max), and the factor this page
+// rescaled them by.
+struct SoftmaxState {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.f;
+  float rescale = 0.f;
+};
+
+// One page of a row: s holds `lanes` raw scores, of which the first `count` are its context; on return s holds
+// e^(scale * score - max) (exactly 0 past `count`) and `state` is updated. The lanes past `count` add zeros, so a
+// row gives the same state whatever `lanes` its call used.
+inline void softmax_page(float* s, int64_t count, int64_t lanes, float scale, SoftmaxState& state) {
+  const __m256 factor = _mm256_set1_ps(scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top = minus_inf;
+  for (int64_t t = 0; t < lanes; t += kLanes) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), factor);
+    if (t + kLanes > count) x = _mm256_blendv_ps(minus_inf, x, _mm256_castsi256_ps(lane_mask(count - t)));
+    _mm256_storeu_ps(s + t, x);
+    top = _mm256_max_ps(top, x);
+  }
+  const float max = std::max(state.max, horizontal_max(top));
+  const __m256 shift = _mm256_set1_ps(max);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < lanes; t += kLanes) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    if (t + kLanes > count) e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(count - t)));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  // e^0 is exactly 1 (exp8), so an unchanged max skips the exponential and gives the same bits
+  state.rescale = state.sum == 0.f ? 0.f : max == state.max ? 1.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(state.max - max)));
+  state.sum = state.sum * state.rescale + horizontal_sum(sum);
+  state.max = max;
+}
+
+// acc[r] = acc[r] * rescale[r] + sum over j < count, in order, of e[r][j] * values[j], for NR rows (DIM floats
+// each); values rows `stride` apart.
+template <int DIM, int NR>
+void weigh_rows(float* const* acc, const float* e, int64_t e_stride, const float* rescale, const float* values,
+                int64_t stride, int64_t count) {
+  constexpr int kVectors = 4;
+  for (int c = 0; c < DIM; c += kVectors * kLanes) {
+    __m256 a[NR][kVectors];
+    for (int r = 0; r < NR; ++r) {
+      const __m256 factor = _mm256_set1_ps(rescale[r]);
+      for (int v = 0; v < kVectors; ++v) {
+        a[r][v] = _mm256_loadu_ps(acc[r] + c + v * kLanes);
+        if (rescale[r] != 1.f) a[r][v] = _mm256_mul_ps(a[r][v], factor);  // x * 1 is x
+      }
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const float* value = values + j * stride + c;
+      __m256 w[NR];
+      for (int r = 0; r < NR; ++r) w[r] = _mm256_broadcast_ss(e + r * e_stride + j);
+      for (int v = 0; v < kVectors; ++v) {
+        const __m256 x = _mm256_loadu_ps(value + v * kLanes);
+        for (int r = 0; r < NR; ++r) a[r][v] = _mm256_fmadd_ps(w[r], x, a[r][v]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(acc[r] + c + v * kLanes, a[r][v]);
+  }
+}
+
+// One (chunk, KV head, tile of up to kTilePositions consecutive query positions) of `paged_attention`: rows
+// (position p, head g of the group) in that order, row p * group + g.
+struct AttentionTask {
+  const float* q;  // the tile's first position, the group's first head
+  int64_t q_token, q_head;
+  const float* k;  // this KV head's position t: k + table[t / page_size] * k_page + (t % page_size) * k_token
   const float* v;  // likewise with v_page, v_token
   int64_t k_page, k_token, v_page, v_token;
   const int64_t* table;
-  int64_t page_size, context, group;
+  int64_t page_size, first_position, positions, group;
   float scale;
-  float* out;  // the group's first output head; the others DIM apart
+  float* out;  // the tile's first position, the group's first head; positions `out_token` apart
+  int64_t out_token;
 };
 
-// Scores of the group's query heads at every position (rows of `scores`, `width` apart, padded with zeros to a
-// multiple of 8 after the softmax), softmax, then the weighted sum of V: K and V of each page read once for the
-// whole group.
+struct AttentionScratch {
+  std::vector<float> kt, e, acc, rescale;
+  std::vector<SoftmaxState> states;
+  std::vector<const float*> q;
+  std::vector<float*> acc_rows;
+};
+
 template <int DIM>
-void decode_task(const DecodeTask& task, std::vector<float>& scores) {
-  const int64_t context = task.context, group = task.group, width = (context + kLanes - 1) / kLanes * kLanes;
-  scores.resize(group * width);
-  const __m256 scale = _mm256_set1_ps(task.scale);
-  for (int64_t first = 0, page = 0; first < context; first += task.page_size, ++page) {
-    const float* keys = task.k + task.table[page] * task.k_page;
-    const int64_t count = std::min(task.page_size, context - first);
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8)
-      for (int64_t g = 0; g < group; ++g)
-        _mm256_storeu_ps(scores.data() + g * width + first + j,
-                         _mm256_mul_ps(dot8<DIM>(task.q + g * task.q_head_stride, keys + j * task.k_token,
-                                                 task.k_token), scale));
-    for (; j < count; ++j)
-      for (int64_t g = 0; g < group; ++g)
-        scores[g * width + first + j] = dot<DIM>(task.q + g * task.q_head_stride, keys + j * task.k_token) *
-                                        task.scale;
+void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
+  const int64_t group = task.group, rows = task.positions * group, page_size = task.page_size;
+  const int64_t width = round_up8(page_size), last_context = task.first_position + task.positions;
+  scratch.kt.resize(DIM * width);
+  scratch.e.resize(rows * width);
+  scratch.acc.assign(rows * DIM, 0.f);
+  scratch.rescale.resize(rows);
+  scratch.states.assign(rows, SoftmaxState{});
+  scratch.q.resize(rows);
+  scratch.acc_rows.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    scratch.q[r] = task.q + (r / group) * task.q_token + (r % group) * task.q_head;
+    scratch.acc_rows[r] = scratch.acc.data() + r * DIM;
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * width;
-    std::fill(row + context, row + width, -std::numeric_limits<float>::infinity());
-    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < width; t += kLanes) top = _mm256_max_ps(top, _mm256_loadu_ps(row + t));
-    const __m128 halves = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    const __m128 pairs = _mm_max_ps(halves, _mm_movehl_ps(halves, halves));
-    const __m256 max = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1))));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < width; t += kLanes) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), max));
-      if (t + kLanes > context) e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(context - t)));
-      _mm256_storeu_ps(row + t, e);
-      sum = _mm256_add_ps(sum, e);
+  auto context = [&](int64_t r) { return task.first_position + r / group + 1; };
+  for (int64_t first = 0, page = 0; first < last_context; first += page_size, ++page) {
+    const int64_t count = std::min(page_size, last_context - first), lanes = round_up8(count);
+    // rows whose context reaches this page: positions from first - first_position on
+    const int64_t begin = std::max<int64_t>(0, first - task.first_position) * group;
+    transpose_keys<DIM>(task.k + task.table[page] * task.k_page, task.k_token, count, scratch.kt.data(), width);
+    float* e = scratch.e.data();
+    score<DIM>(scratch.q.data() + begin, rows - begin, scratch.kt.data(), width, lanes, e + begin * width, width);
+    for (int64_t r = begin; r < rows; ++r) {
+      softmax_page(e + r * width, std::min(page_size, context(r) - first), lanes, task.scale, scratch.states[r]);
+      scratch.rescale[r] = scratch.states[r].rescale;
     }
-    const __m256 inverse = _mm256_set1_ps(1.f / horizontal_sum(sum));
-    __m256 acc[DIM / kLanes];
-    for (int d = 0; d < DIM / kLanes; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t first = 0, page = 0; first < context; first += task.page_size, ++page) {
-      const float* values = task.v + task.table[page] * task.v_page;
-      const int64_t count = std::min(task.page_size, context - first);
-      for (int64_t j = 0; j < count; ++j) {
-        const __m256 p = _mm256_set1_ps(row[first + j]);
-        const float* value = values + j * task.v_token;
-        for (int d = 0; d < DIM / kLanes; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + d * kLanes), acc[d]);
+    const float* values = task.v + task.table[page] * task.v_page;
+    for (int64_t r = begin; r < rows; r += kWeighRows) {
+      const int64_t n = std::min<int64_t>(kWeighRows, rows - r);
+      const int64_t reach = std::min(page_size, context(r + n - 1) - first);  // the block's longest row
+      float* const* acc = scratch.acc_rows.data() + r;
+      const float* weights = e + r * width;
+      const float* factors = scratch.rescale.data() + r;
+      if (n == 3) {
+        weigh_rows<DIM, 3>(acc, weights, width, factors, values, task.v_token, reach);
+      } else if (n == 2) {
+        weigh_rows<DIM, 2>(acc, weights, width, factors, values, task.v_token, reach);
+      } else {
+        weigh_rows<DIM, 1>(acc, weights, width, factors, values, task.v_token, reach);
       }
     }
-    float* out = task.out + g * DIM;
-    for (int d = 0; d < DIM / kLanes; ++d) _mm256_storeu_ps(out + d * kLanes, _mm256_mul_ps(acc[d], inverse));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 inverse = _mm256_set1_ps(1.f / scratch.states[r].sum);
+    float* out = task.out + (r / group) * task.out_token + (r % group) * DIM;
+    for (int d = 0; d < DIM; d += kLanes)
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(scratch.acc_rows[r] + d), inverse));
   }
 }
 
-// Attention of one new token per sequence over its pages, read in place (no gather, no mask).
-//   q [B, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D] (a layer's strided views of the pool);
-//   block_tables [B, max_pages] int64; context_lens [B] int64 (the token's own K/V already written).
-// One task per (sequence, KV head) computes the Hq / Hkv query heads of its group from one read of K and V.
-// Softmax in float32: the max, then e^(s - max) and their sum. D is 64 or 128 (`supports_head_dim`).
-// Returns out [B, Hq * D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3, "q must be float32 [B, Hq, D]");
+// Causal attention of chunks of new tokens over their sequences' pages, read in place (no gather, no mask).
+//   q [T, Hq, D]: chunk i's lengths[i] rows follow chunk i - 1's, its row j at position starts[i] + j;
+//   k_cache, v_cache [pages, page_size, Hkv, D] (a layer's strided views of the pool, the chunks' new K/V already
+//   written); block_tables [chunks, max_pages] int64; starts, lengths [chunks] int64.
+// Row (token at position p, query head) attends to positions [0, p] of its sequence with its KV head (Hq / Hkv
+// query heads share one). A decode row is a chunk of length 1. Tasks: (chunk, KV head, up to 16 positions), the
+// longest first, spread over the threads as they free up. D is 64 or 128 (`supports_head_dim`). Returns
+// out [T, Hq * D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lengths,
+                           double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3, "q must be float32 [T, Hq, D]");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be float32 [pages, page_size, Hkv, D]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && q.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
-              "block_tables must be contiguous int64 [B, max_pages]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens must be int64");
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+              "block_tables must be contiguous int64 [chunks, max_pages]");
+  const int64_t chunks = block_tables.size(0);
+  for (const at::Tensor* t : {&starts, &lengths})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == chunks,
+                "starts and lengths must be int64, one per chunk");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t page_size = k_cache.size(1), kv_heads = k_cache.size(2), num_pages = k_cache.size(0);
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one table and length per row");
   const int64_t group = heads / kv_heads, max_pages = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_pages * page_size, "context length out of the block table");
-    for (int64_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p)
-      TORCH_CHECK(tables[b * max_pages + p] >= 0 && tables[b * max_pages + p] < num_pages, "page out of range");
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(first[c] >= 0 && length[c] >= 1, "a chunk needs a start >= 0 and at least one token");
+    const int64_t context = first[c] + length[c];
+    TORCH_CHECK(context <= max_pages * page_size, "context length out of the block table");
+    for (int64_t p = 0; p < (context + page_size - 1) / page_size; ++p)
+      TORCH_CHECK(tables[c * max_pages + p] >= 0 && tables[c * max_pages + p] < num_pages, "page out of range");
+    rows += length[c];
   }
-  auto out = at::empty({batch, heads * dim}, q.options());
+  TORCH_CHECK(rows == tokens, "the chunks' lengths must sum to q's ", tokens, " rows, got ", rows);
+  auto out = at::empty({tokens, heads * dim}, q.options());
   const float* qs = q.data_ptr<float>();
   const float* ks = k_cache.data_ptr<float>();
   const float* vs = v_cache.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, h = i % kv_heads;
-      const DecodeTask task{qs + b * q.stride(0) + h * group * q.stride(1), q.stride(1),
-                            ks + h * k_cache.stride(2), vs + h * v_cache.stride(2),
-                            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                            tables + b * max_pages, page_size, lens[b], group, static_cast<float>(scale),
-                            os + (b * heads + h * group) * dim};
+  std::vector<AttentionTask> tasks;
+  for (int64_t c = 0, row = 0; c < chunks; row += length[c], ++c)
+    for (int64_t j = 0; j < length[c]; j += kTilePositions)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        tasks.push_back(AttentionTask{qs + (row + j) * q.stride(0) + h * group * q.stride(1), q.stride(0),
+                                      q.stride(1), ks + h * k_cache.stride(2), vs + h * v_cache.stride(2),
+                                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                                      tables + c * max_pages, page_size, first[c] + j,
+                                      std::min(kTilePositions, length[c] - j), group, static_cast<float>(scale),
+                                      os + (row + j) * heads * dim + h * group * dim, heads * dim});
+  auto cost = [](const AttentionTask& t) { return t.positions * (t.first_position + t.positions); };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const AttentionTask& a, const AttentionTask& b) { return cost(a) > cost(b); });
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    AttentionScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) {
       if (dim == 64) {
-        decode_task<64>(task, scores);
+        attend_tile<64>(tasks[i], scratch);
       } else {
-        decode_task<128>(task, scores);
+        attend_tile<128>(tasks[i], scratch);
       }
     }
-  });
+  }
   return out;
 }
 
@@ -341,6 +504,6 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated) -> ()", &rope_);
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor", &paged_decode_attention);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, "
+        "Tensor lengths, float scale) -> Tensor", &paged_attention);
 }
