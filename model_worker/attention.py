@@ -7,8 +7,9 @@ A step's batch is a list of `Chunk`s, one per sequence, laid out back to back in
 
 `prepare(chunks)` builds the step's metadata once (index tensors on the device); `attend(layer, q, k, v, meta)` is
 called by every layer: it writes the chunk's new K/V into the pool, then attends each query to positions
-[0, start + its offset] of its own sequence. Chunks of length 1 ("decode rows", wherever they sit) are attended in
-one batched call; longer chunks ("prefill parts") one call each.
+[0, start + its offset] of its own sequence. `PagedCpuBackend` attends every chunk in one kernel call; in
+`SdpaBackend`, chunks of length 1 ("decode rows", wherever they sit) are attended in one batched call and longer
+chunks ("prefill parts") one call each.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class SdpaMetadata:
     decode_pages: torch.Tensor | None  # [B, max_pages]; short tables padded with their first page (masked)
     decode_context: int  # max context over decode rows
     decode_mask: torch.Tensor | None  # [B, 1, 1, decode_context] additive; None when all contexts are equal
-    decode_lengths: torch.Tensor | None  # [B] int64: each decode row's context (its own token included)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,7 +136,7 @@ class SdpaBackend(AttentionBackend):
 
     def _decode_fields(self, decodes: list[tuple[int, Chunk]], device: torch.device) -> dict[str, Any]:
         if not decodes:
-            return dict(decode_rows=None, decode_pages=None, decode_context=0, decode_mask=None, decode_lengths=None)
+            return dict(decode_rows=None, decode_pages=None, decode_context=0, decode_mask=None)
         contexts = [chunk.start + 1 for _, chunk in decodes]
         max_context = max(contexts)
         max_pages = pages_for_tokens(max_context, self.pool.page_size)
@@ -144,9 +144,9 @@ class SdpaBackend(AttentionBackend):
         for (_, chunk), context in zip(decodes, contexts):
             own = chunk.block_table[:pages_for_tokens(context, self.pool.page_size)]
             tables.append(own + [own[0]] * (max_pages - len(own)))
-        lengths = torch.tensor(contexts, dtype=torch.long, device=device)
         mask = None
         if min(contexts) != max_context:
+            lengths = torch.tensor(contexts, dtype=torch.long, device=device)
             allowed = torch.arange(max_context, device=device)[None, :] < lengths[:, None]
             mask = additive_mask(allowed, self.pool.kv.dtype)[:, None, None, :]
         return dict(
@@ -154,7 +154,6 @@ class SdpaBackend(AttentionBackend):
             decode_pages=torch.tensor(tables, dtype=torch.long, device=device),
             decode_context=max_context,
             decode_mask=mask,
-            decode_lengths=lengths,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SdpaMetadata) -> torch.Tensor:

@@ -62,14 +62,10 @@ def test_each_row_is_computed_alone():
     assert torch.equal(ops().silu_mul(gate_up)[7], ops().silu_mul(gate_up[7:8])[0])
 
 
-@pytest.mark.parametrize("dim, page", [(64, 16), (128, 16), (64, 5)])  # 5: pages that end inside a vector
-def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page):
-    """Prefill parts (cold, over a cached prefix, longer than a task's 16 positions) and decode rows of unequal
-    contexts in one call, against SDPA over gathered K/V; then one part's rows again, one at a time as decode rows
-    and in parts of another length: the same bits, so a token's attention does not depend on its batch or on where
-    its chunk starts."""
+def _paged_call(dim: int, page: int, heads: int, kv_heads: int):
+    """A pool, chunks and q/k/v for `paged_attention`: prefill parts (cold, over a cached prefix, longer than a
+    task's 16 positions) and decode rows of unequal contexts; q/k/v strided views of one tensor, as the model's."""
     torch.manual_seed(0)
-    heads, kv_heads = 9, 3
     pool = KVPool(256, BlockGeometry(2, kv_heads, dim, page, "float32"))
     pool.kv.normal_()
     parts = [(0, 37), (299, 1), (16, 20), (6, 1), (0, 1), (250, 70), (33, 3)]  # (start, length)
@@ -78,20 +74,51 @@ def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page):
         pool.ensure_capacity(i, start + length)
         chunks.append(Chunk(pool.block_table(i), start, length))
     qkv = torch.randn(sum(length for _, length in parts), heads + 2 * kv_heads, dim)
-    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]  # strided, as the model's
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    first = sum(length for _, length in parts[:5])  # the (250, 70) part's first row
+    return pool, chunks, q, k, v, first
+
+
+def _rows_alone(paged: PagedCpuBackend, q, k, v, block_table: list[int], first: int, start: int, length: int,
+                pieces: int) -> list[tuple[slice, torch.Tensor]]:
+    """The part's rows computed again in calls of `pieces` rows each (1: as decode rows)."""
+    out = []
+    for offset in range(0, length, pieces):
+        rows = slice(first + offset, first + min(offset + pieces, length))
+        chunk = Chunk(block_table, start + offset, rows.stop - rows.start)
+        out.append((rows, paged.attend(1, q[rows], k[rows], v[rows], paged.prepare([chunk]))))
+    return out
+
+
+# 9/3 is the model's grouping; 8/2 and 4/4 put rows of two positions in one of the kernel's row blocks. Page 5 ends
+# pages inside a vector, 12 mixes whole and partial vectors in a page.
+@pytest.mark.parametrize("dim, page, heads, kv_heads",
+                         [(64, 16, 9, 3), (128, 16, 9, 3), (64, 5, 9, 3), (64, 12, 8, 2), (64, 16, 4, 4)])
+def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page, heads, kv_heads):
+    """Every chunk kind in one call against SDPA over gathered K/V; then one part's rows again, one at a time as
+    decode rows and in parts of another length: the same bits, so a token's attention does not depend on its batch
+    or on where its chunk starts."""
+    pool, chunks, q, k, v, first = _paged_call(dim, page, heads, kv_heads)
     sdpa, paged = SdpaBackend(pool, heads, kv_heads, dim), PagedCpuBackend(pool, heads, kv_heads, dim)
     expected = sdpa.attend(1, q, k, v, sdpa.prepare(chunks))
     got = paged.attend(1, q, k, v, paged.prepare(chunks))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-    first = sum(length for _, length in parts[:5])  # the (250, 70) part's first row
-    block_table = pool.block_table(5)
     for pieces in (1, 13):
-        for offset in range(0, 70, pieces):
-            rows = slice(first + offset, first + min(offset + pieces, 70))
-            n = rows.stop - rows.start
-            alone = paged.attend(1, q[rows], k[rows], v[rows], paged.prepare([Chunk(block_table, 250 + offset, n)]))
-            assert torch.equal(alone, got[rows]), (pieces, offset)
+        for rows, alone in _rows_alone(paged, q, k, v, pool.block_table(5), first, 250, 70, pieces):
+            assert torch.equal(alone, got[rows]), (pieces, rows)
+
+
+def test_paged_attention_never_reads_a_later_position():
+    """A row attends to its own positions only, even beside later rows of its chunk: an infinite V at position 290
+    leaves the rows before it finite and equal to their bits computed alone (rows of two positions share a row
+    block with 8 query heads over 2 KV heads)."""
+    pool, chunks, q, k, v, first = _paged_call(64, 16, 8, 2)
+    v[first + 40] = float("inf")  # position 250 + 40
+    paged = PagedCpuBackend(pool, 8, 2, 64)
+    got = paged.attend(1, q, k, v, paged.prepare(chunks))
+    assert torch.isfinite(got[first:first + 40]).all() and not torch.isfinite(got[first + 40]).all()
+    for rows, alone in _rows_alone(paged, q, k, v, pool.block_table(5), first, 250, 40, 1):
+        assert torch.equal(alone, got[rows]), rows
 
 
 def test_paged_attention_refuses_what_it_cannot_read():
@@ -111,6 +138,10 @@ def test_paged_attention_refuses_what_it_cannot_read():
         attend(q, k, v, table, 0, 2)
     with pytest.raises(RuntimeError, match="at least one token"):
         attend(q, k, v, table, 0, 0)
+    with pytest.raises(RuntimeError, match="start >= 0"):
+        attend(q, k, v, table, -1, 1)
+    with pytest.raises(RuntimeError, match="out of the block table"):
+        attend(q, k, v, table, 2**62, 2**62)  # a sum that would overflow
 
 
 def test_select_backend_uses_the_paged_kernel_only_where_it_applies():

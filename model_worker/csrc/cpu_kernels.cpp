@@ -320,22 +320,22 @@ inline void softmax_page(float* s, int64_t count, int64_t lanes, float scale, So
   state.max = max;
 }
 
-// acc[r] = acc[r] * rescale[r] + sum over j < count, in order, of e[r][j] * values[j], for NR rows (DIM floats
-// each); values rows `stride` apart.
+// acc[r] = acc[r] * rescale[r] (unless rescale is null) + sum over begin <= j < end, in order, of
+// e[r][j] * values[j], for NR rows (DIM floats each); values rows `stride` apart.
 template <int DIM, int NR>
 void weigh_rows(float* const* acc, const float* e, int64_t e_stride, const float* rescale, const float* values,
-                int64_t stride, int64_t count) {
+                int64_t stride, int64_t begin, int64_t end) {
   constexpr int kVectors = 4;
   for (int c = 0; c < DIM; c += kVectors * kLanes) {
     __m256 a[NR][kVectors];
     for (int r = 0; r < NR; ++r) {
-      const __m256 factor = _mm256_set1_ps(rescale[r]);
       for (int v = 0; v < kVectors; ++v) {
         a[r][v] = _mm256_loadu_ps(acc[r] + c + v * kLanes);
-        if (rescale[r] != 1.f) a[r][v] = _mm256_mul_ps(a[r][v], factor);  // x * 1 is x
+        if (rescale != nullptr && rescale[r] != 1.f)  // x * 1 is x
+          a[r][v] = _mm256_mul_ps(a[r][v], _mm256_set1_ps(rescale[r]));
       }
     }
-    for (int64_t j = 0; j < count; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       const float* value = values + j * stride + c;
       __m256 w[NR];
       for (int r = 0; r < NR; ++r) w[r] = _mm256_broadcast_ss(e + r * e_stride + j);
@@ -394,24 +394,30 @@ void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
     transpose_keys<DIM>(task.k + task.table[page] * task.k_page, task.k_token, count, scratch.kt.data(), width);
     float* e = scratch.e.data();
     score<DIM>(scratch.q.data() + begin, rows - begin, scratch.kt.data(), width, lanes, e + begin * width, width);
+    // A row reads only its own `reach` positions of the page: the lanes past it (later positions of its chunk)
+    // never enter its softmax or its sum, so its operations are those of the row computed alone.
+    auto reach = [&](int64_t r) { return std::min(page_size, context(r) - first); };
     for (int64_t r = begin; r < rows; ++r) {
-      softmax_page(e + r * width, std::min(page_size, context(r) - first), lanes, task.scale, scratch.states[r]);
+      softmax_page(e + r * width, reach(r), round_up8(reach(r)), task.scale, scratch.states[r]);
       scratch.rescale[r] = scratch.states[r].rescale;
     }
     const float* values = task.v + task.table[page] * task.v_page;
     for (int64_t r = begin; r < rows; r += kWeighRows) {
-      const int64_t n = std::min<int64_t>(kWeighRows, rows - r);
-      const int64_t reach = std::min(page_size, context(r + n - 1) - first);  // the block's longest row
+      const int64_t n = std::min<int64_t>(kWeighRows, rows - r), shared = reach(r);  // rows' reaches grow with r
       float* const* acc = scratch.acc_rows.data() + r;
       const float* weights = e + r * width;
       const float* factors = scratch.rescale.data() + r;
       if (n == 3) {
-        weigh_rows<DIM, 3>(acc, weights, width, factors, values, task.v_token, reach);
+        weigh_rows<DIM, 3>(acc, weights, width, factors, values, task.v_token, 0, shared);
       } else if (n == 2) {
-        weigh_rows<DIM, 2>(acc, weights, width, factors, values, task.v_token, reach);
+        weigh_rows<DIM, 2>(acc, weights, width, factors, values, task.v_token, 0, shared);
       } else {
-        weigh_rows<DIM, 1>(acc, weights, width, factors, values, task.v_token, reach);
+        weigh_rows<DIM, 1>(acc, weights, width, factors, values, task.v_token, 0, shared);
       }
+      for (int64_t i = r + 1; i < r + n; ++i)  // the rest of a longer row's reach, in order
+        if (reach(i) > shared)
+          weigh_rows<DIM, 1>(scratch.acc_rows.data() + i, e + i * width, width, nullptr, values, task.v_token, shared,
+                             reach(i));
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -437,6 +443,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be float32 [pages, page_size, Hkv, D]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+                  starts.device().is_cpu() && lengths.device().is_cpu(),
+              "every tensor must be on the CPU");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && q.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "block_tables must be contiguous int64 [chunks, max_pages]");
@@ -447,6 +456,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t page_size = k_cache.size(1), kv_heads = k_cache.size(2), num_pages = k_cache.size(0);
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
+  TORCH_CHECK(page_size >= 1 && kv_heads >= 1, "the cache needs pages of at least one token and one KV head");
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head shapes do not match");
   const int64_t group = heads / kv_heads, max_pages = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -455,8 +465,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t rows = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     TORCH_CHECK(first[c] >= 0 && length[c] >= 1, "a chunk needs a start >= 0 and at least one token");
+    TORCH_CHECK(length[c] <= max_pages * page_size - first[c], "context length out of the block table");
     const int64_t context = first[c] + length[c];
-    TORCH_CHECK(context <= max_pages * page_size, "context length out of the block table");
     for (int64_t p = 0; p < (context + page_size - 1) / page_size; ++p)
       TORCH_CHECK(tables[c * max_pages + p] >= 0 && tables[c * max_pages + p] < num_pages, "page out of range");
     rows += length[c];
