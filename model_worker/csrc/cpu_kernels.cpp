@@ -320,19 +320,19 @@ inline void softmax_page(float* s, int64_t count, int64_t lanes, float scale, So
   state.max = max;
 }
 
-// acc[r] = acc[r] * rescale[r] (unless rescale is null) + sum over begin <= j < end, in order, of
+// acc[r] = acc[r] * states[r].rescale (unless states is null) + sum over begin <= j < end, in order, of
 // e[r][j] * values[j], for NR rows (DIM floats each); values rows `stride` apart.
 template <int DIM, int NR>
-void weigh_rows(float* const* acc, const float* e, int64_t e_stride, const float* rescale, const float* values,
-                int64_t stride, int64_t begin, int64_t end) {
+void weigh_rows(float* const* acc, const float* e, int64_t e_stride, const SoftmaxState* states,
+                const float* values, int64_t stride, int64_t begin, int64_t end) {
   constexpr int kVectors = 4;
   for (int c = 0; c < DIM; c += kVectors * kLanes) {
     __m256 a[NR][kVectors];
     for (int r = 0; r < NR; ++r) {
       for (int v = 0; v < kVectors; ++v) {
         a[r][v] = _mm256_loadu_ps(acc[r] + c + v * kLanes);
-        if (rescale != nullptr && rescale[r] != 1.f)  // x * 1 is x
-          a[r][v] = _mm256_mul_ps(a[r][v], _mm256_set1_ps(rescale[r]));
+        if (states != nullptr && states[r].rescale != 1.f)  // x * 1 is x
+          a[r][v] = _mm256_mul_ps(a[r][v], _mm256_set1_ps(states[r].rescale));
       }
     }
     for (int64_t j = begin; j < end; ++j) {
@@ -365,7 +365,7 @@ struct AttentionTask {
 };
 
 struct AttentionScratch {
-  std::vector<float> kt, e, acc, rescale;
+  std::vector<float> kt, e, acc;
   std::vector<SoftmaxState> states;
   std::vector<const float*> q;
   std::vector<float*> acc_rows;
@@ -378,7 +378,6 @@ void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
   scratch.kt.resize(DIM * width);
   scratch.e.resize(rows * width);
   scratch.acc.assign(rows * DIM, 0.f);
-  scratch.rescale.resize(rows);
   scratch.states.assign(rows, SoftmaxState{});
   scratch.q.resize(rows);
   scratch.acc_rows.resize(rows);
@@ -397,16 +396,14 @@ void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
     // A row reads only its own `reach` positions of the page: the lanes past it (later positions of its chunk)
     // never enter its softmax or its sum, so its operations are those of the row computed alone.
     auto reach = [&](int64_t r) { return std::min(page_size, context(r) - first); };
-    for (int64_t r = begin; r < rows; ++r) {
+    for (int64_t r = begin; r < rows; ++r)
       softmax_page(e + r * width, reach(r), round_up8(reach(r)), task.scale, scratch.states[r]);
-      scratch.rescale[r] = scratch.states[r].rescale;
-    }
     const float* values = task.v + task.table[page] * task.v_page;
     for (int64_t r = begin; r < rows; r += kWeighRows) {
       const int64_t n = std::min<int64_t>(kWeighRows, rows - r), shared = reach(r);  // rows' reaches grow with r
       float* const* acc = scratch.acc_rows.data() + r;
       const float* weights = e + r * width;
-      const float* factors = scratch.rescale.data() + r;
+      const SoftmaxState* factors = scratch.states.data() + r;
       if (n == 3) {
         weigh_rows<DIM, 3>(acc, weights, width, factors, values, task.v_token, 0, shared);
       } else if (n == 2) {
