@@ -48,9 +48,9 @@ class EngineConfig(TransportSecurity):
     kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
     disable_jump_forward: bool = setting(False, "decode what a grammar forces token by token, instead of verifying "
                                                 "it as a draft in one forward (greedy constrained requests)")
-    disable_cpu_kernels: bool = setting(False, "run norms, RoPE, SiLU and attention on torch's ops (SDPA over "
-                                               "gathered K/V) instead of the fused float32 CPU kernels (built once "
-                                               "per machine with g++)")
+    disable_cpu_kernels: bool = setting(False, "run linears on oneDNN and norms, RoPE, SiLU and attention "
+                                               "on torch's ops (SDPA over gathered K/V) instead of the fused float32 "
+                                               "CPU kernels (built once per machine with g++)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,7 +10,9 @@ linear that streamed megabytes of weights. The kernels do that work in fewer pas
   bit for bit torch's ops,
 - `paged_attention(q, k_cache, v_cache, block_tables, starts, lengths, scale)`: causal attention of chunks of new
   tokens (prefill parts and decode rows alike) over their sequences' pages, read in place: no gather, no mask, one
-  read of each K/V page per group of query heads (GQA) and up to 16 positions; head_dim 64 or 128.
+  read of each K/V page per group of query heads (GQA) and up to 16 positions; head_dim 64 or 128,
+- `pack_linear_weight(weight)` once at load, then `linear(x, packed, n, bias)`: the model's linear layers, one FMA
+  chain per output at every row count; a decode step's few rows stream the weights at memory speed.
 
 Each computes a row alone, in the same order whatever the batch, so K/V and outputs do not depend on the batch
 (caching never changes output); they round differently from torch's kernels (~1e-6 relative).

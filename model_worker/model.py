@@ -6,11 +6,12 @@ up. Two fusions halve the GEMM calls: q/k/v are one projection (`qkv_proj`) and 
 their weights concatenated at load (`fuse_projections`); each output column is the same dot product as HF's. RoPE
 rotates q and k in one pass with a sine table whose first half is negated (`rope_tables`), which is HF's
 `x * cos + rotate_half(x) * sin` exactly. Other module names equal HF's.
-Two linear kernels are chosen once at load and sum in another order than HF's: float32 on a CPU uses `PackedLinear`
-(oneDNN at every row count; logits within ~1e-4 of HF's), and bfloat16 on a CPU without native bf16 GEMM `UpcastLinear`.
-With `kernels` (float32 on a CPU where `model_worker.cpu_kernels` builds), the norms, the residual sums, SiLU-times-up
-and RoPE run as fused kernels (`KernelRMSNorm`, `MLP.kernels`, `Attention.kernel_rope`); the norms and SiLU round
-differently from torch's (~1e-6), never by batch, and RoPE is torch's bit for bit.
+The linear kernel is chosen once at load (`linear_class`) and sums in another order than HF's: with `kernels` (float32
+on a CPU where `model_worker.cpu_kernels` builds) `KernelLinear` (one FMA chain per output at every row count),
+else float32 on a CPU `PackedLinear` (oneDNN), both with logits within ~1e-4 of HF's, and bfloat16 on a CPU without
+native bf16 GEMM `UpcastLinear`. With `kernels`, the norms, the residual sums, SiLU-times-up and RoPE also run as
+fused kernels (`KernelRMSNorm`, `MLP.kernels`, `Attention.kernel_rope`); the norms and SiLU round differently from
+torch's (~1e-6), never by batch, and RoPE is torch's bit for bit.
 
 Each residual sum is fused with the norm after it (`RMSNorm.add_forward`: residual += sublayer output, then the norm
 of it), as the layer's next sublayer or the final norm needs it:
@@ -190,6 +191,24 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class KernelLinear(PackedLinear):
+    """A float32 Linear through the fused CPU kernels (`torch.ops.radixserve.linear`): the weight packed once
+    (`pack`) into panels of 16 output columns, each output one FMA chain over the inputs in order whatever the row
+    count, so every row is bit for bit the same in a decode step of 1 and in a prefill of 2,000, `down_proj`
+    included (oneDNN's one-row GEMV sums that one in another order). The plain weight is kept, as `PackedLinear`'s.
+
+    Measured against `PackedLinear` on the model's shapes (30 layers' four projections, 2 cores, AMD EPYC Zen 4, min
+    of 5, alternating): 1 row 8.6-12.5 vs 18-26 ms, 4 rows 14.5 vs 15.2, 48 rows 55-62 vs 64-72, 112 rows 139-145 vs
+    118-131, 512 rows 592-598 vs 555-572 (docs/design.md section 9).
+    """
+
+    def pack(self) -> None:
+        self.packed = torch.ops.radixserve.pack_linear_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixserve.linear(x, self.packed, self.out_features, self.bias)
+
+
 def cpu_supports_bf16() -> bool:
     """Whether this CPU has native bfloat16 matrix instructions (AVX512-BF16 or AMX)."""
     try:
@@ -199,9 +218,11 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def linear_class(dtype: torch.dtype, device: torch.device) -> type[nn.Linear]:
-    """`PackedLinear` for float32 on a CPU with oneDNN, `UpcastLinear` for bfloat16 on a CPU without native bf16
-    GEMM, else `nn.Linear` (HF's exact kernels)."""
+def linear_class(dtype: torch.dtype, device: torch.device, kernels: bool = False) -> type[nn.Linear]:
+    """`KernelLinear` with the fused CPU kernels (float32, loaded), else `PackedLinear` for float32 on a CPU with
+    oneDNN, `UpcastLinear` for bfloat16 on a CPU without native bf16 GEMM, else `nn.Linear` (HF's exact kernels)."""
+    if kernels:
+        return KernelLinear
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return PackedLinear
     emulated_bf16 = dtype == torch.bfloat16 and device.type == "cpu" and not cpu_supports_bf16()
@@ -326,7 +347,7 @@ def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.d
     `kernels` as `CausalLM`'s."""
     shape = ModelShape.from_config(config)
     with torch.device("meta"):
-        model = CausalLM(shape, linear_class(dtype, device), kernels)
+        model = CausalLM(shape, linear_class(dtype, device, kernels), kernels)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(file, device=str(device)))

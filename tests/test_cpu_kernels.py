@@ -150,3 +150,34 @@ def test_select_backend_uses_the_paged_kernel_only_where_it_applies():
     assert type(select_backend(pool, 9, 3, 64, kernels=False)) is SdpaBackend
     small = KVPool(2, BlockGeometry(1, 2, 16, 16, "float32"))
     assert type(select_backend(small, 4, 2, 16, kernels=True)) is SdpaBackend
+
+
+# The model's projections (qkv, o, gate_up, down), and a width that is not a multiple of a panel's 16 columns.
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 576), (3072, 576), (576, 1536), (40, 13)])
+def test_linear_rows_are_bit_for_bit_the_same_at_every_row_count(out_features, in_features):
+    """Each output is one FMA chain over the inputs in order: a row is the same alone (a decode step), beside a
+    few (the tiles of 1-3 rows span more columns) and among 200 (a prefill), where oneDNN's one-row GEMV differed."""
+    from model_worker.model import KernelLinear, linear_class
+
+    assert linear_class(torch.float32, torch.device("cpu"), kernels=True) is KernelLinear
+    torch.manual_seed(0)
+    linear = KernelLinear(in_features, out_features, bias=out_features == 40)
+    linear.pack()
+    x = torch.randn(200, in_features)
+    together = linear(x)
+    torch.testing.assert_close(together, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 64):
+        assert torch.equal(linear(x[rows:2 * rows]), together[rows:2 * rows]), rows
+    with torch.no_grad():
+        linear.weight.zero_()  # the packed copy, made before this, is what it multiplies by
+    assert torch.equal(linear(x[:3]), together[:3])
+
+
+def test_linear_refuses_a_weight_it_was_not_packed_for():
+    packed = ops().pack_linear_weight(torch.randn(40, 13))
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        ops().linear(torch.randn(2, 12), packed, 40, None)  # another K
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        ops().linear(torch.randn(2, 13), packed, 64, None)  # more columns than were packed
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops().linear(torch.randn(13, 2).t(), packed, 40, None)

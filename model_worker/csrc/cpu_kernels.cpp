@@ -504,6 +504,109 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+
+// -- linear layers -----------------------------------------------------------------------------------------------
+// out = x w^T + bias with w packed once (`pack_linear_weight`) into panels of 16 output columns, [panels][K][16].
+// Every output element is one FMA chain over k = 0 .. K-1 in order, from +0, whatever the row count, the tile it
+// falls in or the thread that computes it: a token's projections are bit for bit the same in a decode step of 1 row
+// and in a prefill of 2,000 (caching never changes output). Tiles keep up to 12 chains in registers: 6 rows x 16
+// columns, or for 1-3 rows 1 x 64 / 2-3 x 32 columns, so a decode step streams the weights once at memory speed.
+
+constexpr int64_t kPanel = 16;       // output columns of a packed panel: 2 vectors
+constexpr int64_t kRowBlock = 192;   // rows whose activations stay in the cache while every panel passes
+constexpr int kTileRows = 6;
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "weight must be float32 [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
+  auto padded = at::zeros({panels * kPanel, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);  // columns past N are zero, computed and dropped
+  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+// c[r][j] = sum over k in order of a[r][k] * b[k][j], one FMA chain from +0 each, for R rows x P panels.
+template <int R, int P>
+inline void linear_tile(const float* a, int64_t lda, const float* b, int64_t k_total, float* c, int64_t ldc) {
+  __m256 acc[R][2 * P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * P; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_total; ++k) {
+    __m256 w[2 * P];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      w[2 * p] = _mm256_loadu_ps(b + (p * k_total + k) * kPanel);
+      w[2 * p + 1] = _mm256_loadu_ps(b + (p * k_total + k) * kPanel + kLanes);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+#pragma GCC unroll 8
+      for (int v = 0; v < 2 * P; ++v) acc[r][v] = _mm256_fmadd_ps(x, w[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * P; ++v) _mm256_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+template <int P>
+void linear_rows(int rows, const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc) {
+  switch (rows) {
+    case 1: linear_tile<1, P>(a, lda, b, k, c, ldc); break;
+    case 2: linear_tile<2, P>(a, lda, b, k, c, ldc); break;
+    case 3: linear_tile<3, P>(a, lda, b, k, c, ldc); break;
+    case 4: linear_tile<4, P>(a, lda, b, k, c, ldc); break;
+    case 5: linear_tile<5, P>(a, lda, b, k, c, ldc); break;
+    default: linear_tile<kTileRows, P>(a, lda, b, k, c, ldc); break;
+  }
+}
+
+// x [M, K] (contiguous rows), packed from `pack_linear_weight` of an [N, K] weight, bias [N] or None -> [M, N].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(2) == kPanel && packed.size(1) == x.size(1) && n > (packed.size(0) - 1) * kPanel &&
+                  n <= packed.size(0) * kPanel,
+              "packed must come from pack_linear_weight of an [N, K] weight with x's K");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), width = panels * kPanel;
+  auto out = at::empty({m, width}, x.options());
+  const float* a = x.data_ptr<float>();
+  const int64_t lda = x.stride(0);
+  const float* b = packed.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  const int group = m == 1 ? 4 : m <= 3 ? 2 : 1;  // panels a tile spans: enough independent chains for few rows
+  const int64_t groups = (panels + group - 1) / group;
+  for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
+    const int64_t m1 = std::min(m, m0 + kRowBlock);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * group, spans = std::min<int64_t>(group, panels - p0);
+        for (int64_t r = m0; r < m1; r += kTileRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - r));
+          const float* ar = a + r * lda;
+          float* cr = c + r * width + p0 * kPanel;
+          const float* bp = b + p0 * k * kPanel;
+          if (spans == 4) {
+            linear_rows<4>(rows, ar, lda, bp, k, cr, width);
+          } else if (spans == 2) {
+            linear_rows<2>(rows, ar, lda, bp, k, cr, width);
+          } else {
+            for (int64_t q = 0; q < spans; ++q)
+              linear_rows<1>(rows, ar, lda, bp + q * k * kPanel, k, cr + q * kPanel, width);
+          }
+        }
+      }
+    });
+  }
+  auto result = width == n ? out : out.narrow(1, 0, n).contiguous();
+  if (bias.has_value() && bias->defined()) result.add_(*bias);
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve, m) {
@@ -511,6 +614,8 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated) -> ()", &rope_);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, "
         "Tensor lengths, float scale) -> Tensor", &paged_attention);
 }
