@@ -194,12 +194,13 @@ class PackedLinear(nn.Linear):
 class KernelLinear(PackedLinear):
     """A float32 Linear through the fused CPU kernels (`torch.ops.radixserve.linear`): the weight packed once
     (`pack`) into panels of 16 output columns, each output one FMA chain over the inputs in order whatever the row
-    count, so every row is bit for bit the same in a decode step of 1 and in a prefill of 2,000, `down_proj`
-    included (oneDNN's one-row GEMV sums that one in another order). The plain weight is kept, as `PackedLinear`'s.
+    count or vector width, so every row is bit for bit the same in a decode step of 1 and in a prefill of 2,000,
+    `down_proj` included (oneDNN's one-row GEMV sums that one in another order). The plain weight is kept, as
+    `PackedLinear`'s.
 
-    Measured against `PackedLinear` on the model's shapes (30 layers' four projections, 2 cores, AMD EPYC Zen 4, min
-    of 5, alternating): 1 row 8.6-12.5 vs 18-26 ms, 4 rows 14.5 vs 15.2, 48 rows 55-62 vs 64-72, 112 rows 139-145 vs
-    118-131, 512 rows 592-598 vs 555-572 (docs/design.md section 9).
+    Measured against `PackedLinear` on the model's shapes (30 layers' four projections, 2 cores, AMD EPYC Zen 4,
+    min of 10, alternating): 1 row 12.9-15.1 vs 21.2-24.7 ms, 4 rows 15.1-16.7 vs 23.1-27.3, 48 rows 59 vs 69,
+    112 rows 142 vs 148, 512 rows 518 vs 545 (docs/design.md section 9).
     """
 
     def pack(self) -> None:

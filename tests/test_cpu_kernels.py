@@ -156,7 +156,8 @@ def test_select_backend_uses_the_paged_kernel_only_where_it_applies():
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 576), (3072, 576), (576, 1536), (40, 13)])
 def test_linear_rows_are_bit_for_bit_the_same_at_every_row_count(out_features, in_features):
     """Each output is one FMA chain over the inputs in order: a row is the same alone (a decode step), beside a
-    few (the tiles of 1-3 rows span more columns) and among 200 (a prefill), where oneDNN's one-row GEMV differed."""
+    few (the tiles of few rows span more columns) and among 200 (a prefill), where oneDNN's one-row GEMV differed;
+    and the AVX2 tiles give the AVX-512 tiles' bits (a CPU without AVX-512 runs the AVX2 ones on both sides)."""
     from model_worker.model import KernelLinear, linear_class
 
     assert linear_class(torch.float32, torch.device("cpu"), kernels=True) is KernelLinear
@@ -166,8 +167,11 @@ def test_linear_rows_are_bit_for_bit_the_same_at_every_row_count(out_features, i
     x = torch.randn(200, in_features)
     together = linear(x)
     torch.testing.assert_close(together, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
-    for rows in (1, 2, 3, 5, 6, 7, 13, 64):
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 64):
         assert torch.equal(linear(x[rows:2 * rows]), together[rows:2 * rows]), rows
+        avx2 = ops().linear(x[rows:2 * rows], linear.packed, out_features, linear.bias, avx512=False)
+        assert torch.equal(avx2, together[rows:2 * rows]), rows
+    assert torch.equal(ops().linear(x, linear.packed, out_features, linear.bias, avx512=False), together)
     with torch.no_grad():
         linear.weight.zero_()  # the packed copy, made before this, is what it multiplies by
     assert torch.equal(linear(x[:3]), together[:3])
