@@ -580,39 +580,33 @@ __attribute__((target("avx512f"))) inline void linear_tile_avx512(const float* a
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * ldc + p * kPanel, acc[r][p]);
 }
 
-// A tile of `rows` (1 to kTileRows) rows x P panels.
+// Tiles::tile<R, P> for the run-time row count `rows` (1 to R): the tiles keep their rows in registers, so the row
+// count is a template argument.
+template <typename Tiles, int P, int R = Tiles::kTileRows>
+void run_tile(int rows, const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc) {
+  if constexpr (R > 1) {
+    if (rows < R) return run_tile<Tiles, P, R - 1>(rows, a, lda, b, k, c, ldc);
+  }
+  Tiles::template tile<R, P>(a, lda, b, k, c, ldc);
+}
+
+// Tiles of up to kTileRows rows x P panels.
 struct Avx2Tiles {
   static constexpr int kTileRows = 6;
   static int panels(int64_t m) { return m == 1 ? 4 : m <= 3 ? 2 : 1; }  // enough independent chains for few rows
-  template <int P>
-  static void run(int rows, const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc) {
-    switch (rows) {
-      case 1: linear_tile<1, P>(a, lda, b, k, c, ldc); break;
-      case 2: linear_tile<2, P>(a, lda, b, k, c, ldc); break;
-      case 3: linear_tile<3, P>(a, lda, b, k, c, ldc); break;
-      case 4: linear_tile<4, P>(a, lda, b, k, c, ldc); break;
-      case 5: linear_tile<5, P>(a, lda, b, k, c, ldc); break;
-      default: linear_tile<6, P>(a, lda, b, k, c, ldc); break;
-    }
+  template <int R, int P>
+  static void tile(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc) {
+    linear_tile<R, P>(a, lda, b, k, c, ldc);
   }
 };
 
 struct Avx512Tiles {
   static constexpr int kTileRows = 8;
   static int panels(int64_t m) { return m <= 2 ? 4 : 2; }
-  template <int P>
-  __attribute__((target("avx512f"))) static void run(int rows, const float* a, int64_t lda, const float* b,
-                                                      int64_t k, float* c, int64_t ldc) {
-    switch (rows) {
-      case 1: linear_tile_avx512<1, P>(a, lda, b, k, c, ldc); break;
-      case 2: linear_tile_avx512<2, P>(a, lda, b, k, c, ldc); break;
-      case 3: linear_tile_avx512<3, P>(a, lda, b, k, c, ldc); break;
-      case 4: linear_tile_avx512<4, P>(a, lda, b, k, c, ldc); break;
-      case 5: linear_tile_avx512<5, P>(a, lda, b, k, c, ldc); break;
-      case 6: linear_tile_avx512<6, P>(a, lda, b, k, c, ldc); break;
-      case 7: linear_tile_avx512<7, P>(a, lda, b, k, c, ldc); break;
-      default: linear_tile_avx512<8, P>(a, lda, b, k, c, ldc); break;
-    }
+  template <int R, int P>
+  __attribute__((target("avx512f"))) static void tile(const float* a, int64_t lda, const float* b, int64_t k,
+                                                       float* c, int64_t ldc) {
+    linear_tile_avx512<R, P>(a, lda, b, k, c, ldc);
   }
 };
 
@@ -633,12 +627,12 @@ void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k,
           float* cr = c + r * width + p0 * kPanel;
           const float* bp = b + p0 * k * kPanel;
           if (spans == 4) {
-            Tiles::template run<4>(rows, ar, lda, bp, k, cr, width);
+            run_tile<Tiles, 4>(rows, ar, lda, bp, k, cr, width);
           } else if (spans == 2) {
-            Tiles::template run<2>(rows, ar, lda, bp, k, cr, width);
+            run_tile<Tiles, 2>(rows, ar, lda, bp, k, cr, width);
           } else {
             for (int64_t q = 0; q < spans; ++q)
-              Tiles::template run<1>(rows, ar, lda, bp + q * k * kPanel, k, cr + q * kPanel, width);
+              run_tile<Tiles, 1>(rows, ar, lda, bp + q * k * kPanel, k, cr + q * kPanel, width);
           }
         }
       }
