@@ -504,7 +504,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-
 // -- linear layers -----------------------------------------------------------------------------------------------
 // out = x w^T + bias with w packed once (`pack_linear_weight`) into panels of 16 output columns, [panels][K][16].
 // Every output element is one FMA chain over k = 0 .. K-1 in order, from +0, whatever the row count, the tile it
