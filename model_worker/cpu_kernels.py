@@ -13,6 +13,9 @@ linear that streamed megabytes of weights. The kernels do that work in fewer pas
   read of each K/V page per group of query heads (GQA) and up to 16 positions; head_dim 64 or 128,
 - `pack_linear_weight(weight)` once at load, then `linear(x, packed, n, bias)`: the model's linear layers, one FMA
   chain per output at every row count; a decode step's few rows stream the weights at memory speed.
+- `decoder_layer(...)`: a whole Llama layer (the ops above, and the new K/V written into the pool) in one call, bit
+  for bit the layer-by-layer result (`model_worker.model.DecoderLayer.fused_forward`): a 4-sequence decode step
+  took 27-28 instead of 30-33 ms.
 
 Each computes a row alone, in the same order whatever the batch, so K/V and outputs do not depend on the batch
 (caching never changes output); they round differently from torch's kernels (~1e-6 relative).

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.engine_helpers import save_tiny_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -28,22 +29,12 @@ def tokenizer(real_model_dir: Path):
     return AutoTokenizer.from_pretrained(real_model_dir)
 
 
-def _save_tiny(directory: Path, config, tokenizer) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tokenizer) -> Path:
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=len(tokenizer), rope_theta=100000.0, eos_token_id=2, bos_token_id=1, **TINY)
-    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), config, tokenizer)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), config, tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -51,4 +42,4 @@ def tiny_qwen2_dir(tmp_path_factory, tokenizer) -> Path:
     from transformers import Qwen2Config
 
     config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=2, bos_token_id=1, **TINY)
-    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), config, tokenizer)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), config, tokenizer)

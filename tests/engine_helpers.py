@@ -1,6 +1,8 @@
-"""In-process engines for tests: tiny configs, stepping until idle, prefill logits through the pool."""
+"""In-process engines for tests: tiny models and configs, stepping until idle, prefill logits through the pool."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -10,6 +12,17 @@ from model_worker.engine import Engine
 from model_worker.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def save_tiny_model(directory: Path, config, tokenizer) -> Path:
+    """A random-weight float32 model of `config` (seed 0) with `tokenizer`, saved in `directory`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def make_engine(model_dir, **overrides) -> Engine:

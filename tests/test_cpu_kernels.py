@@ -8,6 +8,7 @@ from model_worker import cpu_kernels
 from model_worker.attention import Chunk, PagedCpuBackend, SdpaBackend, select_backend
 from model_worker.kv_pool import KVPool
 from radixserve.blocks.geometry import BlockGeometry
+from tests.engine_helpers import make_engine, prefill_logits, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the fused CPU kernels did not build here")
 
@@ -185,3 +186,26 @@ def test_linear_refuses_a_weight_it_was_not_packed_for():
         ops().linear(torch.randn(2, 13), packed, 64, None)  # more columns than were packed
     with pytest.raises(RuntimeError, match="contiguous rows"):
         ops().linear(torch.randn(13, 2).t(), packed, 40, None)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_a_fused_layer_gives_the_layer_by_layer_bits(tmp_path, tokenizer, family):
+    """`DecoderLayer.fused_forward` (one op a layer, the default on the paged CPU backend) gives the logits and the
+    K/V in the pool of the model's layer-by-layer ops, bit for bit, over prefill chunks and single-token steps."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=2)
+    config = (LlamaConfig if family == "llama" else Qwen2Config)(vocab_size=len(tokenizer), **shape)
+    model_dir = save_tiny_model(tmp_path / family, config, tokenizer)
+    ids = torch.randint(3, len(tokenizer), (45,)).tolist()
+    results = []
+    for fused in (True, False):
+        engine = make_engine(model_dir, page_size=16)
+        assert engine.model.fused_layers  # head_dim 64 on the paged kernel
+        engine.model.fused_layers = fused
+        logits = torch.cat([prefill_logits(engine, ids[:40], chunk=7), prefill_logits(engine, ids, chunk=1)])
+        results.append((logits, engine.pool.kv.clone()))
+    (fused_logits, fused_kv), (logits, kv) = results
+    assert torch.equal(fused_logits, logits)
+    assert torch.equal(fused_kv, kv)

@@ -39,7 +39,9 @@ def test_top_k_and_top_p_restrict_support():
 
 
 def test_a_vanishing_temperature_is_greedy_and_non_finite_logits_fail_only_their_row():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
     logits[1, 7] = float("nan")
-    tokens = sample(logits, [row(temperature=1e-40), row(), row(temperature=1e-40, seed=2)])
-    assert tokens == [logits[0].argmax().item(), None, logits[2].argmax().item()]
+    logits[3, 0], logits[4, 49] = float("inf"), float("-inf")
+    logits[2, 9] = 3e38  # large but finite
+    tokens = sample(logits, [row(temperature=1e-40), row(), row(temperature=1e-40, seed=2), row(), row()])
+    assert tokens == [logits[0].argmax().item(), None, 9, None, None]

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -664,6 +665,65 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   return result;
 }
 
+// -- one decoder layer -------------------------------------------------------------------------------------------
+// Stores k, v [T, Hkv, D] at (pages[i], offsets[i]) of k_cache, v_cache [pages, page_size, Hkv, D]: the bytes
+// `KVPool.write` stores.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& pages, const at::Tensor& offsets) {
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  TORCH_CHECK(pages.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && pages.is_contiguous() &&
+                  offsets.is_contiguous() && pages.numel() == tokens && offsets.numel() == tokens,
+              "one int64 page and offset per new token");
+  TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == dim && k_cache.stride(3) == 1 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.stride(3) == 1, "K/V shapes do not match the cache");
+  const int64_t* page = pages.data_ptr<int64_t>();
+  const int64_t* offset = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(page[t] >= 0 && page[t] < k_cache.size(0) && offset[t] >= 0 && offset[t] < k_cache.size(1),
+                "slot out of the cache");
+  for (auto [fresh, cache] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_cache}, {&v, &v_cache}}) {
+    const float* src = fresh->data_ptr<float>();
+    float* dst = cache->data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::copy_n(src + t * fresh->stride(0) + h * fresh->stride(1), dim,
+                    dst + page[t] * cache->stride(0) + offset[t] * cache->stride(1) + h * cache->stride(2));
+  }
+}
+
+// One Llama decoder layer, the ops above in the order of model_worker.model's layer, so bit for bit its result
+// (one call a layer instead of ~25 Python-level ones):
+//   qkv = linear(hidden) [+ bias]; RoPE on the q and k heads; the new K/V into the layer's pages; attention;
+//   x = linear(attention) [+ bias]; residual += x; x = post_norm(residual);
+//   x = down(silu_mul(gate_up(x))); residual += x; x = next_norm(residual).
+// hidden [T, hidden] is the layer's normed input; returns x (the next sublayer's input) and updates residual.
+at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at::Tensor& qkv_packed,
+                         const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_packed,
+                         const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
+                         const at::Tensor& gate_up_packed, const c10::optional<at::Tensor>& gate_up_bias,
+                         const at::Tensor& down_packed, const c10::optional<at::Tensor>& down_bias,
+                         const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, int64_t num_heads, at::Tensor k_cache, at::Tensor v_cache,
+                         const at::Tensor& write_pages, const at::Tensor& write_offsets,
+                         const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lengths,
+                         double scale) {
+  const int64_t tokens = hidden.size(0), width = residual.size(1);
+  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), rotated = num_heads + kv_heads;
+  auto qkv = linear(hidden, qkv_packed, (rotated + kv_heads) * dim, qkv_bias, true)
+                 .view({tokens, rotated + kv_heads, dim});
+  rope_(qkv, cos, sin, positions, rotated);
+  write_kv(qkv.narrow(1, num_heads, kv_heads), qkv.narrow(1, rotated, kv_heads), k_cache, v_cache, write_pages,
+           write_offsets);
+  auto attention = paged_attention(qkv.narrow(1, 0, num_heads), k_cache, v_cache, block_tables, starts, lengths,
+                                   scale);
+  auto x = linear(attention, o_packed, width, o_bias, true);
+  add_rms_norm_(x, residual, post_norm, eps);
+  x = linear(silu_mul(linear(x, gate_up_packed, 2 * down_packed.size(1), gate_up_bias, true)), down_packed, width,
+             down_bias, true);
+  add_rms_norm_(x, residual, next_norm, eps);
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve, m) {
@@ -675,4 +735,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, bool avx512=True) -> Tensor", &linear);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, "
         "Tensor lengths, float scale) -> Tensor", &paged_attention);
+  m.def("decoder_layer(Tensor hidden, Tensor(a!) residual, Tensor qkv_packed, Tensor? qkv_bias, Tensor o_packed, "
+        "Tensor? o_bias, Tensor post_norm, Tensor gate_up_packed, Tensor? gate_up_bias, Tensor down_packed, "
+        "Tensor? down_bias, Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor positions, int num_heads, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_pages, Tensor write_offsets, Tensor block_tables, "
+        "Tensor starts, Tensor lengths, float scale) -> Tensor", &decoder_layer);
 }
