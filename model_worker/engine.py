@@ -94,7 +94,7 @@ class Overloaded(RuntimeError):
 @dataclass(frozen=True)
 class EngineInfo:
     name: str
-    fingerprint: str  # namespace of cache block keys: weights, dtype and KV shape/layout
+    fingerprint: str  # namespace of cache block keys: weights, dtype, KV shape/layout and the kernels computing K/V
     dtype: str
     max_context: int
     vocab_size: int
@@ -190,7 +190,7 @@ class Engine:
         self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
                                              self.device))
         self.backend = backend
-        self.info = self._make_info(model_dir, hf_config)
+        self.info = self._make_info(model_dir, hf_config, kernels)
         self._eos = frozenset(self.info.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
         self._mask = TokenMask(config.max_running_requests, self.info.vocab_size)
@@ -208,9 +208,12 @@ class Engine:
         log.info("engine ready", extra={"model": self.info.name, "dtype": self.info.dtype, "pages": num_pages,
                                         "page_size": config.page_size})
 
-    def _make_info(self, model_dir: Path, hf_config: object) -> EngineInfo:
+    def _make_info(self, model_dir: Path, hf_config: object, kernels: bool) -> EngineInfo:
         g = self.geometry
-        parts = [weights_digest(model_dir), g.dtype, g.num_layers, g.num_kv_heads, g.head_dim, g.page_size, g.layout]
+        # K/V computed by other kernels round differently: a block from them would change this worker's outputs
+        compute = f"cpu-kernels-{cpu_kernels.build_directory().name}" if kernels else f"torch-{torch.__version__}"
+        parts = [weights_digest(model_dir), g.dtype, g.num_layers, g.num_kv_heads, g.head_dim, g.page_size, g.layout,
+                 compute]
         return EngineInfo(
             name=model_dir.name,
             fingerprint=hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest(),

@@ -20,6 +20,9 @@ of it), as the layer's next sublayer or the final norm needs it:
     per layer:  hidden, residual = post-attention norm.add_forward(attention(hidden), residual)
                 hidden, residual = (next layer's input norm or the final norm).add_forward(mlp(hidden), residual)
 
+With the fused CPU kernels on their paged attention backend, a layer is one op (`DecoderLayer.fused_forward`):
+the same kernels in the same order, without the ~25 Python-level calls of the layer-by-layer path.
+
 Tokens of several sequences are flattened: `forward(input_ids [T], positions [T], meta, logits_rows [N])` returns
 float32 logits [N, vocab] for the chosen rows only (the last token of each sequence that samples this step).
 """

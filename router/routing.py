@@ -97,7 +97,7 @@ class WorkerPool:
     def __init__(self, workers: list[WorkerHandle], load_slack: int):
         fingerprints = {w.info.model.fingerprint for w in workers}
         if len(fingerprints) != 1:
-            raise ValueError(f"workers serve different models: {sorted(fingerprints)}")
+            raise ValueError(f"workers serve different models or compute K/V differently: {sorted(fingerprints)}")
         self.workers = workers
         self.routing_fingerprint = fingerprints.pop()
         self._load_slack = load_slack

@@ -241,6 +241,9 @@ def test_info(engine, tiny_llama_dir, tokenizer):
     assert len(info.fingerprint) == 64
     other = make_engine(tiny_llama_dir, page_size=8, num_pages=8)
     assert other.info.fingerprint != info.fingerprint
+    assert make_engine(tiny_llama_dir).info.fingerprint == info.fingerprint
+    if engine.model.kernels:  # K/V of torch's ops round differently: their blocks are another namespace's
+        assert make_engine(tiny_llama_dir, disable_cpu_kernels=True).info.fingerprint != info.fingerprint
 
 
 def test_config_validation_and_auto_dtype():
