@@ -98,12 +98,17 @@ def _rows_alone(paged: PagedCpuBackend, q, k, v, block_table: list[int], first: 
 def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page, heads, kv_heads):
     """Every chunk kind in one call against SDPA over gathered K/V; then one part's rows again, one at a time as
     decode rows and in parts of another length: the same bits, so a token's attention does not depend on its batch
-    or on where its chunk starts."""
+    or on where its chunk starts; and the AVX2 micro-kernels give the AVX-512 ones' bits (a CPU without AVX-512 runs
+    the AVX2 ones on both sides)."""
     pool, chunks, q, k, v, first = _paged_call(dim, page, heads, kv_heads)
     sdpa, paged = SdpaBackend(pool, heads, kv_heads, dim), PagedCpuBackend(pool, heads, kv_heads, dim)
     expected = sdpa.attend(1, q, k, v, sdpa.prepare(chunks))
-    got = paged.attend(1, q, k, v, paged.prepare(chunks))
+    meta = paged.prepare(chunks)
+    got = paged.attend(1, q, k, v, meta)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    avx2 = ops().paged_attention(q, pool.k_layers[1], pool.v_layers[1], meta.block_tables, meta.starts, meta.lengths,
+                                 paged.scale, avx512=False)
+    assert torch.equal(avx2, got)
     for pieces in (1, 13):
         for rows, alone in _rows_alone(paged, q, k, v, pool.block_table(5), first, 250, 70, pieces):
             assert torch.equal(alone, got[rows]), (pieces, rows)
