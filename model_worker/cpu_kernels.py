@@ -5,14 +5,15 @@ step (norms, residual sums, SiLU, K/V gathers, SDPA's setup), each paying dispat
 linear that streamed megabytes of weights. The kernels do that work in fewer passes:
 
 - `rms_norm(x, weight, eps)` and `add_rms_norm_(x, residual, weight, eps)` (residual += x; x = norm(residual)),
-- `silu_mul(gate_up)`: SiLU of the first half times the second,
 - `rope_(qkv, cos, sin, positions, rotated)`: RoPE in place on the q and k heads of the fused projection's output,
   bit for bit torch's ops,
 - `paged_attention(q, k_cache, v_cache, block_tables, starts, lengths, scale)`: causal attention of chunks of new
   tokens (prefill parts and decode rows alike) over their sequences' pages, read in place: no gather, no mask, one
   read of each K/V page per group of query heads (GQA) and up to 16 positions; head_dim 64 or 128,
 - `pack_linear_weight(weight)` once at load, then `linear(x, packed, n, bias)`: the model's linear layers, one FMA
-  chain per output at every row count; a decode step's few rows stream the weights at memory speed.
+  chain per output at every row count; a decode step's few rows stream the weights at memory speed;
+  `pack_gate_up_weight` and `gate_up_silu(x, packed, intermediate, bias)`: the MLP's gate/up projection with SiLU of
+  the gate times the up applied to each tile in registers,
 - `decoder_layer(...)`: a whole Llama layer (the ops above, and the new K/V written into the pool) in one call, bit
   for bit the layer-by-layer result (`model_worker.model.DecoderLayer.fused_forward`): a 4-sequence decode step
   took 27-28 instead of 30-33 ms.

@@ -121,35 +121,11 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
   });
 }
 
-// silu(gate) * up of gate_up [T, 2I] -> [T, I], with silu(g) = g / (1 + e^-g).
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_float_rows(gate_up, "gate_up");
-  const int64_t half = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  TORCH_CHECK(gate_up.size(1) == 2 * half, "gate_up must have an even width");
-  auto out = at::empty({gate_up.size(0), half}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+// silu(gate) * up, with silu(g) = g / (1 + e^-g): the SiLU-times-up of the MLP, applied by `gate_up_silu` to the
+// gate and up columns of each tile it multiplies.
+inline __m256 silu_times(__m256 gate, __m256 up) {
   const __m256 one = _mm256_set1_ps(1.f);
-  auto silu_mul8 = [&](__m256 gate, __m256 up) {
-    return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate)))),
-                         up);
-  };
-  at::parallel_for(0, gate_up.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = in + r * stride;
-      const float* up = gate + half;
-      float* row = o + r * half;
-      int64_t i = 0;
-      for (; i + kLanes <= half; i += kLanes)
-        _mm256_storeu_ps(row + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-      if (i < half) {
-        const __m256i mask = lane_mask(half - i);
-        _mm256_maskstore_ps(row + i, mask, silu_mul8(_mm256_maskload_ps(gate + i, mask),
-                                                     _mm256_maskload_ps(up + i, mask)));
-      }
-    }
-  });
-  return out;
+  return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate)))), up);
 }
 
 // RoPE in place on the first `rotated` heads of qkv [T, heads, D] (the q and k heads of a fused projection):
@@ -725,29 +701,68 @@ struct Avx512Tiles {
   }
 };
 
-// Row blocks in turn; in each, the threads share out groups of panels, and every group passes all the block's rows.
+// Rows [0, rows) x `spans` panels from b into dst (row stride ldc): as one tile where the group size allows it (up
+// to `group` panels a tile, Tiles::panels), else panel by panel.
 template <typename Tiles>
-void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k, int64_t panels, float* c) {
-  const int64_t width = panels * kPanel;
+void multiply_tile(int rows, const float* a, int64_t lda, const float* b, int64_t k, int64_t spans, int group,
+                   float* dst, int64_t ldc) {
+  if (spans == 4 && group == 4) {
+    run_tile<Tiles, 4>(rows, a, lda, b, k, dst, ldc);
+  } else if (spans == 2 && group >= 2) {
+    run_tile<Tiles, 2>(rows, a, lda, b, k, dst, ldc);
+  } else {
+    for (int64_t q = 0; q < spans; ++q) run_tile<Tiles, 1>(rows, a, lda, b + q * k * kPanel, k, dst + q * kPanel, ldc);
+  }
+}
+
+// out[r][j] = silu(gate + gate_bias) * (up + up_bias) for the `pairs` (gate panel, up panel) pairs of a tile's
+// `rows` rows in `tile` (row stride 2 * pairs panels); biases null or one panel a pair, in pair order.
+void silu_epilogue(const float* tile, int rows, int64_t pairs, const float* gate_bias, const float* up_bias,
+                   float* out, int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t q = 0; q < pairs; ++q) {
+      const float* gate = tile + (r * 2 * pairs + 2 * q) * kPanel;
+      for (int64_t l = 0; l < kPanel; l += kLanes) {
+        __m256 g = _mm256_loadu_ps(gate + l), u = _mm256_loadu_ps(gate + kPanel + l);
+        if (gate_bias != nullptr) {
+          g = _mm256_add_ps(g, _mm256_loadu_ps(gate_bias + q * kPanel + l));
+          u = _mm256_add_ps(u, _mm256_loadu_ps(up_bias + q * kPanel + l));
+        }
+        _mm256_storeu_ps(out + r * ldo + q * kPanel + l, silu_times(g, u));
+      }
+    }
+  }
+}
+
+// Row blocks in turn; in each, the threads share out groups of panels, and every group passes all the block's rows.
+// kSiluMul: b is `pack_gate_up_weight`'s (gate and up panels alternate), groups hold whole pairs, and each tile goes
+// through `silu_epilogue` into c (panels / 2 panels wide) instead of straight into c (panels wide); bias then holds
+// the gate biases, then the up biases, each padded to panels / 2 panels.
+template <typename Tiles, bool kSiluMul>
+void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k, int64_t panels, const float* bias,
+              float* c) {
   const int group = Tiles::panels(m);
-  const int64_t groups = (panels + group - 1) / group;
+  const int step = kSiluMul ? std::max(group, 2) : group;
+  const int64_t groups = (panels + step - 1) / step, out_panels = kSiluMul ? panels / 2 : panels;
+  const int64_t width = out_panels * kPanel;
   for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
     const int64_t m1 = std::min(m, m0 + kRowBlock);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * group, spans = std::min<int64_t>(group, panels - p0);
+        const int64_t p0 = g * step, spans = std::min<int64_t>(step, panels - p0);
         for (int64_t r = m0; r < m1; r += Tiles::kTileRows) {
           const int rows = static_cast<int>(std::min<int64_t>(Tiles::kTileRows, m1 - r));
           const float* ar = a + r * lda;
-          float* cr = c + r * width + p0 * kPanel;
           const float* bp = b + p0 * k * kPanel;
-          if (spans == 4) {
-            run_tile<Tiles, 4>(rows, ar, lda, bp, k, cr, width);
-          } else if (spans == 2) {
-            run_tile<Tiles, 2>(rows, ar, lda, bp, k, cr, width);
+          if constexpr (kSiluMul) {
+            alignas(64) float tile[Tiles::kTileRows * 4 * kPanel];
+            multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, tile, spans * kPanel);
+            const int64_t pair0 = p0 / 2;
+            silu_epilogue(tile, rows, spans / 2, bias == nullptr ? nullptr : bias + pair0 * kPanel,
+                          bias == nullptr ? nullptr : bias + (out_panels + pair0) * kPanel,
+                          c + r * width + pair0 * kPanel, width);
           } else {
-            for (int64_t q = 0; q < spans; ++q)
-              run_tile<Tiles, 1>(rows, ar, lda, bp + q * k * kPanel, k, cr + q * kPanel, width);
+            multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, c + r * width + p0 * kPanel, width);
           }
         }
       }
@@ -755,28 +770,67 @@ void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k,
   }
 }
 
-// x [M, K] (contiguous rows), packed from `pack_linear_weight` of an [N, K] weight, bias [N] or None -> [M, N].
-// `avx512`: use AVX-512 where the CPU has it (the same bits either way; false lets a test compare the two).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
-                  bool avx512) {
+// `multiply` with the instruction set this CPU and `avx512` allow. One row streams the weights faster in AVX2's
+// 8-lane chains (a step's projections 12.9 vs 14.8 ms, Zen 4).
+template <bool kSiluMul>
+void multiply_on_cpu(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out,
+                     bool avx512) {
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  if (avx512 && cpu_has_avx512() && m > 1) {
+    multiply<Avx512Tiles, kSiluMul>(x.data_ptr<float>(), x.stride(0), m, packed.data_ptr<float>(), k, panels, bias,
+                                    out.data_ptr<float>());
+  } else {
+    multiply<Avx2Tiles, kSiluMul>(x.data_ptr<float>(), x.stride(0), m, packed.data_ptr<float>(), k, panels, bias,
+                                  out.data_ptr<float>());
+  }
+}
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const char* packer) {
   check_float_rows(x, "x");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == kPanel && packed.size(1) == x.size(1) && n > (packed.size(0) - 1) * kPanel &&
                   n <= packed.size(0) * kPanel,
-              "packed must come from pack_linear_weight of an [N, K] weight with x's K");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), width = panels * kPanel;
-  auto out = at::empty({m, width}, x.options());
-  // One row streams the weights faster in AVX2's 8-lane chains (a step's projections 12.9 vs 14.8 ms, Zen 4).
-  if (avx512 && cpu_has_avx512() && m > 1) {
-    multiply<Avx512Tiles>(x.data_ptr<float>(), x.stride(0), m, packed.data_ptr<float>(), k, panels,
-                          out.data_ptr<float>());
-  } else {
-    multiply<Avx2Tiles>(x.data_ptr<float>(), x.stride(0), m, packed.data_ptr<float>(), k, panels,
-                        out.data_ptr<float>());
-  }
-  auto result = width == n ? out : out.narrow(1, 0, n).contiguous();
+              "packed must come from ", packer, " of an [N, K] weight with x's K");
+}
+
+// x [M, K] (contiguous rows), packed from `pack_linear_weight` of an [N, K] weight, bias [N] or None -> [M, N].
+// `avx512`: use AVX-512 where the CPU has it (the same bits either way; false lets a test compare the two).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  bool avx512) {
+  check_packed(x, packed, n, "pack_linear_weight");
+  auto out = at::empty({x.size(0), packed.size(0) * kPanel}, x.options());
+  multiply_on_cpu<false>(x, packed, nullptr, out, avx512);
+  auto result = out.size(1) == n ? out : out.narrow(1, 0, n).contiguous();
   if (bias.has_value() && bias->defined()) result.add_(*bias);
   return result;
+}
+
+// The MLP's gate and up projections, [2I, K] (gate rows first), packed as `pack_linear_weight` packs each half, with
+// the halves' panels alternating: gate panel j, then up panel j.
+at::Tensor pack_gate_up_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "gate_up weight must be [2I, K]");
+  const int64_t half = weight.size(0) / 2;
+  auto gate = pack_linear_weight(weight.narrow(0, 0, half)), up = pack_linear_weight(weight.narrow(0, half, half));
+  return at::stack({gate, up}, 1).view({2 * gate.size(0), gate.size(1), kPanel});
+}
+
+// silu(x gate^T + gate_bias) * (x up^T + up_bias) -> [M, I], packed from `pack_gate_up_weight` of a [2I, K] weight,
+// bias [2I] or None: bit for bit `silu_times` of the halves of `linear`'s [M, 2I] result, without writing that
+// result to memory and reading it back (a 1,328-token prefill's SiLU-times-up took 54 of ~800 ms as its own pass).
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                        const c10::optional<at::Tensor>& bias, bool avx512) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) % 2 == 0, "packed must come from pack_gate_up_weight");
+  check_packed(x, packed.narrow(0, 0, packed.size(0) / 2), intermediate, "pack_gate_up_weight");
+  const int64_t half_width = packed.size(0) / 2 * kPanel;
+  at::Tensor padded_bias;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == 2 * intermediate, "bias must be float32 [2I]");
+    padded_bias = at::zeros({2, half_width}, x.options());
+    padded_bias.narrow(1, 0, intermediate).copy_(bias->view({2, intermediate}));
+  }
+  auto out = at::empty({x.size(0), half_width}, x.options());
+  multiply_on_cpu<true>(x, packed, padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr, out, avx512);
+  return half_width == intermediate ? out : out.narrow(1, 0, intermediate).contiguous();
 }
 
 // -- one decoder layer -------------------------------------------------------------------------------------------
@@ -809,7 +863,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 // (one call a layer instead of ~25 Python-level ones):
 //   qkv = linear(hidden) [+ bias]; RoPE on the q and k heads; the new K/V into the layer's pages; attention;
 //   x = linear(attention) [+ bias]; residual += x; x = post_norm(residual);
-//   x = down(silu_mul(gate_up(x))); residual += x; x = next_norm(residual).
+//   x = down(gate_up_silu(x)); residual += x; x = next_norm(residual).
 // hidden [T, hidden] is the layer's normed input; returns x (the next sublayer's input) and updates residual.
 at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at::Tensor& qkv_packed,
                          const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_packed,
@@ -832,8 +886,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at
                                    scale, true);
   auto x = linear(attention, o_packed, width, o_bias, true);
   add_rms_norm_(x, residual, post_norm, eps);
-  x = linear(silu_mul(linear(x, gate_up_packed, 2 * down_packed.size(1), gate_up_bias, true)), down_packed, width,
-             down_bias, true);
+  x = linear(gate_up_silu(x, gate_up_packed, down_packed.size(1), gate_up_bias, true), down_packed, width, down_bias,
+             true);
   add_rms_norm_(x, residual, next_norm, eps);
   return x;
 }
@@ -843,10 +897,12 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at
 TORCH_LIBRARY(radixserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated) -> ()", &rope_);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, bool avx512=True) -> Tensor", &linear);
+  m.def("pack_gate_up_weight(Tensor weight) -> Tensor", &pack_gate_up_weight);
+  m.def("gate_up_silu(Tensor x, Tensor packed, int intermediate, Tensor? bias, bool avx512=True) -> Tensor",
+        &gate_up_silu);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, "
         "Tensor lengths, float scale, bool avx512=True) -> Tensor", &paged_attention);
   m.def("decoder_layer(Tensor hidden, Tensor(a!) residual, Tensor qkv_packed, Tensor? qkv_bias, Tensor o_packed, "
