@@ -2,14 +2,15 @@
 
 On 2 cores the worker's forward keeps both busy with its OpenMP team, and a parallel region ends only when each of
 its threads has done its share: a thread of another process that takes a core stalls the whole forward. kvcached's
-L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs at
-`BACKGROUND_NICE`. (The worker's kvcached client thread does not: it also re-registers the worker after a kvcached
-restart.) Populating a shared-memory segment's page tables (`SlabSegment.populate_in_background`) runs only on
-idle cores (`idle_current_thread`).
+L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs
+on idle cores while its backlog is small and at `BACKGROUND_NICE` when it grows (`DiskTier`). (The worker's kvcached
+client thread does not: it also re-registers the worker after a kvcached restart.) Populating a shared-memory
+segment's page tables (`SlabSegment.populate_in_background`) runs only on idle cores (`idle_current_thread`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -33,3 +34,32 @@ def idle_current_thread() -> None:
         os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+def normal_current_thread() -> bool:
+    """Returns the calling thread from SCHED_IDLE to normal scheduling at `BACKGROUND_NICE`; False where that is
+    refused (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of at least 20 - BACKGROUND_NICE: Docker's default
+    capabilities lack the first) or there are no per-thread policies."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    lower_current_thread_priority()
+    return True
+
+
+@functools.cache
+def can_leave_idle() -> bool:
+    """Whether a thread of this process may leave SCHED_IDLE again (`normal_current_thread`): tried once, on a
+    throwaway thread, so that no thread that must come back is left idle for good."""
+    left = []
+
+    def trial() -> None:
+        if hasattr(os, "SCHED_IDLE"):
+            idle_current_thread()
+            left.append(os.sched_getscheduler(0) == os.SCHED_IDLE and normal_current_thread())
+
+    thread = threading.Thread(target=trial, name="priority-trial")
+    thread.start()
+    thread.join()
+    return bool(left and left[0])

@@ -17,6 +17,7 @@ from kvcached.tiers.lmdb_tier import (
     TierEvent,
     stored_bytes,
 )
+from radixserve.priority import can_leave_idle
 from tests.kvcache_helpers import NS, N, key, parent, payload
 
 OTHER = "fp-b"
@@ -187,6 +188,30 @@ def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
     tier.close()
     assert not tier.put_async(NS, key(4), parent(4), payload(4)) and tier.stats().dropped_writes == 2
     assert tier.get(key(0)) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
+def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
+    """Idle cores only (SCHED_IDLE) while a quarter of the queue's bound or less waits; past it, normal scheduling
+    (at background nice) until the backlog halves."""
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=16 * N, max_batch_blocks=1)  # urgent past 4 N
+    policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
+
+    def gated(puts):
+        if puts:  # not the flush's barrier
+            policies.append(os.sched_getscheduler(0))
+        entered.set()
+        release.wait(10)
+        write(puts)
+
+    monkeypatch.setattr(tier, "_write", gated)
+    assert tier.put_async(NS, key(0), parent(0), payload(0))
+    assert entered.wait(10)  # block 0 taken with a backlog of N
+    assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in range(1, 7))
+    release.set()  # blocks 1 to 6 are taken with backlogs of 6 N, 5 N, ... N
+    assert tier.flush(timeout=10) and stored(tier) == set(range(7))
+    assert policies == [os.SCHED_IDLE] + [os.SCHED_OTHER] * 4 + [os.SCHED_IDLE] * 2
+    tier.close()
 
 
 class _BrokenEnv:

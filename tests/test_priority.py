@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from radixserve.priority import BACKGROUND_NICE, idle_current_thread, lower_current_thread_priority
+from radixserve.priority import (BACKGROUND_NICE, can_leave_idle, idle_current_thread, lower_current_thread_priority,
+                                 normal_current_thread)
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
@@ -39,3 +40,19 @@ def test_idle_thread_runs_under_sched_idle_and_the_caller_does_not():
     thread.join()
     assert seen["background"] == os.SCHED_IDLE
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
+def test_an_idle_thread_comes_back_to_normal_scheduling_at_background_nice():
+    seen = {}
+
+    def background() -> None:
+        idle_current_thread()
+        seen["idle"] = os.sched_getscheduler(0)
+        seen["back"] = normal_current_thread()
+        seen["after"] = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == {"idle": os.SCHED_IDLE, "back": True, "after": (os.SCHED_OTHER, BACKGROUND_NICE)}
