@@ -174,7 +174,8 @@ def test_the_arrival_window_admits_a_burst_of_unknown_size_in_one_step(tiny_llam
 
 
 def test_the_arrival_window_waits_for_as_many_as_ran_together_last(tiny_llama_dir):
-    """Three requests ran together; their successors, arriving 100 ms apart, are admitted together."""
+    """Three requests ran together; their successors (other prompts: nothing cached), arriving 100 ms apart, are
+    admitted together."""
     engine = make_engine(tiny_llama_dir, arrival_window_ms=500)
     order: list[str] = []
     engine.start()
@@ -184,13 +185,29 @@ def test_the_arrival_window_waits_for_as_many_as_ran_together_last(tiny_llama_di
         order.clear()
         round_two = []
         for i in range(3):
-            round_two.append(add_in_order(engine, order, f"two-{i}", PROMPTS[i]))
+            round_two.append(add_in_order(engine, order, f"two-{i}", PROMPTS[i][::-1]))
             time.sleep(0.1)
         assert wait_for(lambda: finished(*round_two), 30)
     finally:
         engine.stop()
     assert 150 <= round_two[0][0].queue_ms < 450  # waited for the third, not the whole window
     assert order == ["two-0", "two-1", "two-2"] * GREEDY.max_new_tokens
+
+
+def test_a_cache_hit_does_not_wait_out_the_arrival_window(tiny_llama_dir):
+    """A request with more of its prompt cached than left to compute starts at once, even alone after an idle
+    second; a lone cold one waits the whole window."""
+    engine = make_engine(tiny_llama_dir, arrival_window_ms=500)
+    engine.start()
+    try:
+        cold = add_in_order(engine, [], "cold", PROMPTS[0])
+        assert wait_for(lambda: finished(cold), 30)
+        hit = add_in_order(engine, [], "hit", PROMPTS[0] + [7, 8])
+        assert wait_for(lambda: finished(hit), 30)
+    finally:
+        engine.stop()
+    assert cold[0].queue_ms >= 450
+    assert hit[-1].cached_tokens_l1 == 40 and hit[0].queue_ms < 250
 
 
 def test_waits_for_pages_and_bounds_running(tiny_llama_dir):
