@@ -116,24 +116,28 @@ class PrefixCache:
     def _hashes(self, state: CacheState, token_ids: list[int]) -> list[BlockHash]:
         return block_hashes(namespace_key(self._fingerprint, state.request.salt), token_ids, self._page_size)
 
+    def _reusable_hashes(self, state: CacheState, prompt: list[int]) -> list[BlockHash]:
+        """The hashes of the prompt's full pages before its last token (which must be computed for its logits)."""
+        usable = (len(prompt) - 1) // self._page_size
+        return self._hashes(state, prompt[:usable * self._page_size])
+
     # -- admission ---------------------------------------------------------------------------------------------
     def cached_tokens(self, prompt: list[int], state: CacheState) -> int:
         """How much of `prompt` `attach` would find cached now, in tokens: the longer of its L1 match and its L2
         lease (a lease whose slots turn out unusable makes this an overestimate). Locks and copies nothing."""
         if not state.request.enabled:
             return 0
-        usable = (len(prompt) - 1) // self._page_size
-        l1_pages = self._index.match(self._hashes(state, prompt[:usable * self._page_size])).pages
+        hashes = self._reusable_hashes(state, prompt)
         lease = state.request.l2_lease
-        return max(l1_pages, min(usable, len(lease.slots)) if lease else 0) * self._page_size
+        leased = min(len(hashes), len(lease.slots)) if lease else 0
+        return max(self._index.match(hashes).pages, leased) * self._page_size
 
     def attach(self, seq_id: Hashable, prompt: list[int], state: CacheState) -> int:
         """Puts the reusable prefix of `prompt` into the block table of `seq_id`; returns its length in tokens."""
         if not state.request.enabled:
             self._release_l2(state)
             return 0
-        usable = (len(prompt) - 1) // self._page_size
-        hashes = self._hashes(state, prompt[:usable * self._page_size])
+        hashes = self._reusable_hashes(state, prompt)
         match = self._index.match(hashes, lock=True)
         state.l1_lease = match.lease
         l1_pages = list(match.slots)  # the L1 index's slots are pool pages
