@@ -36,6 +36,15 @@ def idle_current_thread() -> None:
         pass
 
 
+def background_current_thread(idle: bool) -> None:
+    """The calling thread on idle cores only (`idle_current_thread`), or else beside other work at
+    `BACKGROUND_NICE`, leaving SCHED_IDLE where that is allowed (`can_leave_idle` tells)."""
+    if idle:
+        idle_current_thread()
+    elif not normal_current_thread():
+        lower_current_thread_priority()
+
+
 def normal_current_thread() -> bool:
     """Returns the calling thread from SCHED_IDLE to normal scheduling at `BACKGROUND_NICE`; False where that is
     refused (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of at least 20 - BACKGROUND_NICE: Docker's default

@@ -74,8 +74,7 @@ import lmdb
 import xxhash
 
 from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
-from radixserve.priority import (can_leave_idle, idle_current_thread, lower_current_thread_priority,
-                                 normal_current_thread)
+from radixserve.priority import background_current_thread, can_leave_idle
 
 log = logging.getLogger("kvcached.tiers.lmdb")
 
@@ -383,19 +382,15 @@ class DiskTier:
         tokens, alternating: decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10, prefills of 4 x 256
         tokens 517-542 against 512-630 ms."""
         may_idle = can_leave_idle()
-        urgent: bool | None = None
+        idle: bool | None = None
         while True:
             ops = self._drain()
             with self._lock:
                 backlog = self._queued
-            now_urgent = (not may_idle or backlog > self._urgent_bytes
-                          or bool(urgent and backlog > self._urgent_bytes // 2))
-            if now_urgent != urgent:
-                urgent = now_urgent
-                if not urgent:
-                    idle_current_thread()
-                elif not normal_current_thread():
-                    lower_current_thread_priority()
+            limit = self._urgent_bytes if idle is not False else self._urgent_bytes // 2
+            if (now_idle := may_idle and backlog <= limit) != idle:
+                idle = now_idle
+                background_current_thread(idle)
             try:
                 self._apply(ops)
             except Exception as exc:  # never let the writer die: barriers and later writes still need it
