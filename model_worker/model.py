@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from model_worker.attention import AttentionBackend, PagedCpuBackend, PagedMetadata
+from model_worker.huge_pages import on_huge_pages
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -404,6 +405,10 @@ def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.d
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.pack()
+    if kernels:  # what every step streams, on huge pages (model_worker.huge_pages)
+        linears = [module for module in model.modules() if isinstance(module, KernelLinear)]
+        for module, packed in zip(linears, on_huge_pages([module.packed for module in linears]), strict=True):
+            module.packed = packed
     return model
 
 
