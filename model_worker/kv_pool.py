@@ -21,7 +21,6 @@ from collections.abc import Hashable
 
 import torch
 
-from model_worker.huge_pages import huge_page_tensors
 from radixserve.blocks.geometry import BlockGeometry
 
 
@@ -49,10 +48,7 @@ class KVPool:
         self.num_layers = geometry.num_layers
         self.page_size = geometry.page_size
         # NOTE: zeros, not empty: masked-out slots still enter P@V as 0 * value, and 0 * NaN garbage would be NaN.
-        # On a CPU the pool is on huge pages: decode attention streams it (model_worker.huge_pages).
-        shape, dtype = (num_pages, *geometry.block_shape), getattr(torch, geometry.dtype)
-        self.kv = (huge_page_tensors([(shape, dtype)])[0] if torch.device(device).type == "cpu"
-                   else torch.zeros(shape, dtype=dtype, device=device))
+        self.kv = torch.zeros(num_pages, *geometry.block_shape, dtype=getattr(torch, geometry.dtype), device=device)
         # Per-layer strided views [page, token, kv_head, head_dim]: writes and gathers index them directly.
         self.k_layers = [self.kv[:, layer, 0] for layer in range(self.num_layers)]
         self.v_layers = [self.kv[:, layer, 1] for layer in range(self.num_layers)]
