@@ -16,7 +16,7 @@ from kvcached.service import KVCacheServicer
 from kvcached.tiers.dram_shm import cleanup_stale_segments
 from kvcached.tiers.lmdb_tier import DiskTier, DiskTierError
 from radixserve.config import parse_config
-from radixserve.server import ServiceSpec, die_with_launcher, serve, setup_logging
+from radixserve.server import ServiceSpec, die_with_launcher, keep_freed_memory, serve, setup_logging
 from radixserve.v1 import kvcache_pb2_grpc
 
 log = logging.getLogger("kvcached")
@@ -103,6 +103,7 @@ async def run(config: KVCachedConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(KVCachedConfig, argv)
     die_with_launcher()
+    keep_freed_memory()
     setup_logging(config.log_level)
     asyncio.run(run(config))
 

@@ -14,7 +14,7 @@ from model_worker.loader import resolve_model
 from model_worker.metrics import watch_engine
 from model_worker.service import WorkerServicer
 from radixserve.config import parse_config
-from radixserve.server import ServiceSpec, die_with_launcher, serve, setup_logging
+from radixserve.server import ServiceSpec, die_with_launcher, keep_freed_memory, serve, setup_logging
 from radixserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger("model_worker")
@@ -43,6 +43,7 @@ async def run(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(WorkerConfig, argv)
     die_with_launcher()
+    keep_freed_memory()
     setup_logging(config.log_level)
     asyncio.run(run(config))
 

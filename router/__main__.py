@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from radixserve.config import parse_config
-from radixserve.server import ServiceSpec, die_with_launcher, serve, setup_logging
+from radixserve.server import ServiceSpec, die_with_launcher, keep_freed_memory, serve, setup_logging
 from radixserve.transport import server_ssl_context
 from radixserve.v1 import router_pb2_grpc
 from router.admission import Admission
@@ -66,6 +66,7 @@ async def run(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(RouterConfig, argv)
     die_with_launcher()
+    keep_freed_memory()
     setup_logging(config.log_level)
     asyncio.run(run(config))
 
