@@ -192,9 +192,9 @@ def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
-    """Idle cores only (SCHED_IDLE) while a quarter of the queue's bound or less waits; past it, normal scheduling
-    (at background nice) until the backlog halves."""
-    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=16 * N, max_batch_blocks=1)  # urgent past 4 N
+    """Idle cores only (SCHED_IDLE) while three quarters of the queue's bound or less waits; past it, normal
+    scheduling (at background nice) until the backlog halves."""
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=7 * N, max_batch_blocks=1)  # urgent past 5.25 N
     policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
 
     def gated(puts):

@@ -189,13 +189,13 @@ class DiskTier:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
         derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read (tests only). The
-        writer leaves idle cores for background priority at a backlog of a quarter of `max_queue_bytes` (`_run`)."""
+        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes` (`_run`)."""
         if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0:
             raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive")
         self.path = os.fspath(path)
         self._budget = budget_bytes
         self._max_queue = max_queue_bytes
-        self._urgent_bytes = max_queue_bytes // 4
+        self._urgent_bytes = max_queue_bytes * 3 // 4  # near the bound, where writes would start to drop
         self._batch_limits = (max_batch_blocks, max_batch_bytes)
         self._read_delay = read_delay_s
         # headroom: LMDB page overhead, and the pages of the last txns that are freed but not yet reusable
@@ -375,12 +375,16 @@ class DiskTier:
 
     def _run(self) -> None:
         """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP. No request
-        waits for a write, so the writer runs on idle cores only (SCHED_IDLE) while less than `_urgent_bytes` is
-        queued, and beside the requests at background priority from then until the backlog halves: a sustained load
-        neither fills the queue nor widens what a kill -9 loses past that. Where the thread could not leave SCHED_IDLE
-        again (`can_leave_idle`), always at background priority. The no-reuse workload, 3 runs of 8 requests of 256
-        tokens, alternating: decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10, prefills of 4 x 256
-        tokens 517-542 against 512-630 ms."""
+        waits for a write, so the writer runs on idle cores only (SCHED_IDLE) while at most `_urgent_bytes` (three
+        quarters of the queue's bound) is queued, and beside the requests at background priority from then until the
+        backlog halves: a sustained load neither fills the queue nor widens what a kill -9 loses past that. Where the
+        thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background priority. The no-reuse
+        workload, 3 runs of 8 requests of 256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against
+        19.0-20.3 at nice 10, prefills of 4 x 256 tokens 517-542 against 512-630 ms. Escalating at a quarter of the
+        bound instead (64 MiB) put the writer beside the hits after one long-document round (two prompts, 161 MB):
+        hits of 24 tokens over 1,500-2,000, median 79-162 ms in 4 runs (83, 162, 79, 87; 75-78 without a disk
+        tier) against 77-83 in 3 runs at three quarters (a guess that this is the writer, not noise: the 162 ms
+        run had every hit slow)."""
         may_idle = can_leave_idle()
         idle: bool | None = None
         while True:
