@@ -23,6 +23,7 @@ log = logging.getLogger("model_worker")
 async def run(config: WorkerConfig) -> None:
     model_dir = resolve_model(config.model)
     engine = Engine(model_dir, config)
+    keep_freed_memory()  # from here on: what loading freed (the weights' packing buffers) goes back to the kernel
     log.info("model loaded", extra={"model": engine.info.name, "dtype": engine.info.dtype,
                                     "fingerprint": engine.info.fingerprint})
     # A dead engine loop stops the process (health NOT_SERVING while it drains, then exit 1) so a supervisor restarts
@@ -43,7 +44,6 @@ async def run(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(WorkerConfig, argv)
     die_with_launcher()
-    keep_freed_memory()
     setup_logging(config.log_level)
     asyncio.run(run(config))
 

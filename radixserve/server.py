@@ -66,12 +66,14 @@ def keep_freed_memory() -> bool:
     """Makes glibc's malloc keep freed memory for reuse instead of returning it to the kernel: allocations up to
     `MMAP_THRESHOLD_BYTES` come from the heap, and the heap keeps up to `KEEP_HEAP_BYTES` free at its top. So a
     service's memory grows to its peak once and then stays. False where the C library has no `mallopt` (musl).
+    Call it once start-up is done, so that what start-up frees goes back (a worker that called it before loading the
+    model kept the weights' packing buffers: 2,369 against 2,019 MiB resident after the load).
 
     Why: on VMs whose guest reports freed memory to the host (virtio-balloon free page reporting; these hosts report
     free blocks of 128 KiB and up within milliseconds), touching memory again faults through the host: 2.2-4.1 s a
     GiB against ~0.1 s for memory a process kept. A step's activations and kvcached's block buffers were freed and
     re-faulted that way. The shared-prefix workload through a real stack, 2 runs of 3 rounds each, alternating:
-    TTFT mean 303-368 ms against 332-452, round walls 1.72-1.99 s against 1.86-2.93."""
+    TTFT mean 295-301 ms against 307-473 in rounds 2-3, round walls 1.71-1.80 s against 1.79-2.70."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
