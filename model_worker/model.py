@@ -402,11 +402,10 @@ def load_model(model_dir: Path, config: Any, dtype: torch.dtype, device: torch.d
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            module.pack()
-    if kernels:  # what every step streams, on huge pages (model_worker.huge_pages)
-        linears = [module for module in model.modules() if isinstance(module, KernelLinear)]
+    linears = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    for module in linears:
+        module.pack()
+    if kernels:  # every linear is a KernelLinear; what every step streams, on huge pages (model_worker.huge_pages)
         for module, packed in zip(linears, on_huge_pages([module.packed for module in linears]), strict=True):
             module.packed = packed
     return model

@@ -189,7 +189,8 @@ class DiskTier:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
         derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read (tests only). The
-        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes` (`_run`)."""
+        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes`
+        (`_run`)."""
         if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0:
             raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive")
         self.path = os.fspath(path)
@@ -381,10 +382,8 @@ class DiskTier:
         thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background priority. The no-reuse
         workload, 3 runs of 8 requests of 256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against
         19.0-20.3 at nice 10, prefills of 4 x 256 tokens 517-542 against 512-630 ms. Escalating at a quarter of the
-        bound instead (64 MiB) put the writer beside the hits after one long-document round (two prompts, 161 MB):
-        hits of 24 tokens over 1,500-2,000, median 79-162 ms in 4 runs (83, 162, 79, 87; 75-78 without a disk
-        tier) against 77-83 in 3 runs at three quarters (a guess that this is the writer, not noise: the 162 ms
-        run had every hit slow)."""
+        bound instead put the writer beside the hits after a single long-document round (docs/design.md section 9,
+        "Memory on these VMs")."""
         may_idle = can_leave_idle()
         idle: bool | None = None
         while True:
