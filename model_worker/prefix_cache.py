@@ -1,9 +1,20 @@
-"""Prefix reuse in the worker: an L1 radix index over full pages of its own pool, fed from and to kvcached's L2.
+"""Prefix reuse in the worker: an L1 radix index over full pages of its own pool, fed from and to kvcached's L2,
+and the partial last pages of finished sequences (tails), kept in L1 only.
 
-    prompt pages:  | L1 hit (shared pages) | L2 hit (copied from shm) | computed by prefill ... | partial |
-                   0                       n_l1                       n_l1 + n_l2                (never cached)
+    prompt pages:  | L1 hit (shared pages) | L2 hit (copied from shm) | tail hit (copied) | computed by prefill ... |
+                   0                       n_l1                       n_l1 + n_l2
 
 Reuse stops one token short of the prompt, so at least one prompt token is computed and yields the first logits.
+
+Tails: a finished sequence's last page holds K/V for fewer tokens than a page (the index holds full pages only). It
+is kept under the key of the full page before it (or the namespace's, with none) with the tokens it holds. The next
+turn of a conversation (history, answer, new turn) continues that text: where its full-page match ends at such a
+key, the kept tail sharing the most leading tokens with the prompt is copied into a new page of the sequence, and
+those tokens count as cached (`cached_tokens_l1`). The copy, not a share, is what the sequence then writes into.
+Without tails, a 4-conversation multi-turn round recomputed 44 tokens a request instead of 29 (its step 120 vs 83
+ms here). Tails are evicted before index pages, least recently used key first: each is worth less than a page of
+compute, and one whose full pages were evicted can no longer be reached. At most `MAX_TAILS_PER_KEY` per key (the
+retries and branches of one turn); one that holds a prefix of another is dropped for it.
 
 An L2 lease comes from the router and is trusted for nothing. Its pages are copied only from the segment this
 worker registered, before the lease's expiry, from slots in range; and a copied page joins L1 only if the slot's
@@ -16,11 +27,12 @@ request aborted or rejected).
 Contracts (all calls under the engine lock, from the engine thread or `abort`):
 - The index holds one pool reference on each cached page. A running sequence keeps a lease on its cached path, and
   so does each commit in flight to kvcached, so `index.evictable_pages` are pages only the index holds: evicting
-  them frees them at once (`make_room`).
+  them frees them at once (`make_room`). Each kept tail holds the only reference on its page: all are evictable.
 - `attach(seq)` on admission: fills the sequence's block table with reused pages and sets `num_computed`.
-- `cache(seq)` whenever more full pages are computed (end of prefill, end of the request): inserts them into the
-  index and queues the ones kvcached lacks for commit. Idempotent.
-- `detach(seq)` when the sequence ends, before its pages are released: drops its lease and any unused L2 lease.
+- `cache(seq)` when more full pages are computed (end of prefill): inserts them into the index and queues the ones
+  kvcached lacks for commit. Idempotent.
+- `finish(seq)` when the sequence ends, before its pages are released: `cache`, keeps its tail (one pool reference),
+  and drops its lease and any unused L2 lease (`detach`).
 - `fork(state)` for a sample forked from a sequence at the end of its prefill: a share of the parent's lease on the
   cached path (the sample holds those pages too), the same reuse counts, no L2 lease.
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +56,7 @@ from radixserve.blocks.keys import BlockHash, block_hashes, namespace_key
 from radixserve.blocks.radix import Lease, RadixIndex
 
 LEASE_MARGIN_MS = 50  # a lease this close to its expiry is not used: copying a long prefix takes ~10 ms here
+MAX_TAILS_PER_KEY = 4  # tails kept after one full page (module docstring)
 
 
 @dataclass(frozen=True)
@@ -98,20 +112,30 @@ class PrefixCache:
         self._lock = lock
         self._index = RadixIndex()
         self._page_size = pool.page_size
+        # key of the full page before a tail -> {the tokens the tail holds: its page}, least recently used key first
+        self._tails: OrderedDict[bytes, dict[tuple[int, ...], int]] = OrderedDict()
+        self._tail_pages = 0
 
     @property
     def evictable_pages(self) -> int:
-        return self._index.evictable_pages
+        return self._index.evictable_pages + self._tail_pages
 
     @property
     def cached_pages(self) -> int:
-        return self._index.total_pages
+        return self._index.total_pages + self._tail_pages
 
     def make_room(self, pages: int) -> None:
-        """Evicts least-recently-used unlocked pages until `pages` are free, or nothing more can go."""
-        shortfall = pages - self._pool.num_free
-        if shortfall > 0:
-            self._pool.decref(self._index.evict(shortfall))
+        """Evicts tails, then least-recently-used unlocked index pages, until `pages` are free, or nothing more can
+        go."""
+        while self._tails and pages > self._pool.num_free:
+            _, tails = self._tails.popitem(last=False)
+            self._drop_tails(tails, list(tails))
+        if pages > self._pool.num_free:
+            self._pool.decref(self._index.evict(pages - self._pool.num_free))
+
+    def _drop_tails(self, tails: dict[tuple[int, ...], int], held: list[tuple[int, ...]]) -> None:
+        self._pool.decref([tails.pop(tokens) for tokens in held])
+        self._tail_pages -= len(held)
 
     def _hashes(self, state: CacheState, token_ids: list[int]) -> list[BlockHash]:
         return block_hashes(namespace_key(self._fingerprint, state.request.salt), token_ids, self._page_size)
@@ -130,7 +154,8 @@ class PrefixCache:
         hashes = self._reusable_hashes(state, prompt)
         lease = state.request.l2_lease
         leased = min(len(hashes), len(lease.slots)) if lease else 0
-        return max(self._index.match(hashes).pages, leased) * self._page_size
+        pages = max(self._index.match(hashes).pages, leased)
+        return pages * self._page_size + self._tail_match(state, prompt, hashes, pages)[0]
 
     def attach(self, seq_id: Hashable, prompt: list[int], state: CacheState) -> int:
         """Puts the reusable prefix of `prompt` into the block table of `seq_id`; returns its length in tokens."""
@@ -149,12 +174,13 @@ class PrefixCache:
         state.l2_copy_ms = (time.perf_counter() - copy_started) * 1e3
         self._release_l2(state)
         table.extend(l2_pages)
-        state.cached_l1_tokens = len(l1_pages) * self._page_size
-        state.cached_l2_tokens = len(l2_pages) * self._page_size
         state.pages_in_l1 = len(l1_pages)
         lease = state.request.l2_lease
         state.pages_in_l2 = len(lease.slots) if lease and lease_held else len(l1_pages) + len(l2_pages)
-        return len(table) * self._page_size
+        tail_tokens = self._copy_tail(state, prompt, hashes, table)
+        state.cached_l1_tokens = len(l1_pages) * self._page_size + tail_tokens
+        state.cached_l2_tokens = len(l2_pages) * self._page_size
+        return (len(l1_pages) + len(l2_pages)) * self._page_size + tail_tokens
 
     def _copy_from_l2(self, state: CacheState, hashes: list[BlockHash], first: int) -> tuple[list[int], bool]:
         """New L1 pages holding the leased L2 blocks [first, len(hashes)) that pass verification (module
@@ -176,6 +202,34 @@ class PrefixCache:
             metrics.l2_pages_rejected.labels(reason=reason).inc(len(slots) - kept)
         self._pool.decref(pages[kept:])
         return pages[:kept], kept == len(slots)
+
+    def _key_before(self, state: CacheState, hashes: list[BlockHash], pages: int) -> bytes:
+        """The key tails after the first `pages` pages are kept under: the last page's, or the namespace's."""
+        return hashes[pages - 1] if pages else namespace_key(self._fingerprint, state.request.salt)
+
+    def _tail_match(self, state: CacheState, prompt: list[int], hashes: list[BlockHash], pages: int
+                    ) -> tuple[int, int | None]:
+        """The kept tail after the prompt's first `pages` pages that shares the most tokens with it, short of its last
+        token: (how many, its page), or (0, None)."""
+        tails = self._tails.get(self._key_before(state, hashes, pages))
+        start = pages * self._page_size
+        wanted = prompt[start:min(start + self._page_size, len(prompt) - 1)]
+        return max(((_leading_shared(tokens, wanted), page) for tokens, page in (tails or {}).items()),
+                   key=lambda match: match[0], default=(0, None))
+
+    def _copy_tail(self, state: CacheState, prompt: list[int], hashes: list[BlockHash], table: list[int]) -> int:
+        """Appends a copy of the best kept tail after the table's pages to it (`_tail_match`); its tokens."""
+        shared, source = self._tail_match(state, prompt, hashes, len(table))
+        if not shared:
+            return 0
+        self._tails.move_to_end(self._key_before(state, hashes, len(table)))
+        self._pool.incref([source])  # making room may evict this very tail
+        self.make_room(1)
+        page = self._pool.allocate(1)
+        self._pool.kv[page[0]].copy_(self._pool.kv[source])
+        self._pool.decref([source])
+        table.extend(page)
+        return shared
 
     def _release_l2(self, state: CacheState) -> None:
         if state.l2_lease_pending and self._client is not None:
@@ -221,6 +275,30 @@ class PrefixCache:
                           pages_in_l1=state.pages_in_l1, pages_in_l2=state.pages_in_l2)
 
     # -- end of a sequence -------------------------------------------------------------------------------------
+    def finish(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
+        """The sequence ended (module docstring); its pages are released next."""
+        self.cache(seq_id, token_ids, num_computed, state)
+        self._keep_tail(seq_id, token_ids, num_computed, state)
+        self.detach(state)
+
+    def _keep_tail(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
+        full, held = divmod(num_computed, self._page_size)
+        if not state.request.enabled or not held:
+            return
+        key = self._key_before(state, self._hashes(state, token_ids[:full * self._page_size]), full)
+        tokens = tuple(token_ids[full * self._page_size:num_computed])
+        tails = self._tails.setdefault(key, {})
+        self._tails.move_to_end(key)
+        if any(kept[:held] == tokens for kept in tails):  # an equal or longer one is kept
+            return
+        self._drop_tails(tails, [kept for kept in tails if tokens[:len(kept)] == kept])  # this one covers them
+        if len(tails) >= MAX_TAILS_PER_KEY:
+            self._drop_tails(tails, [next(iter(tails))])  # the oldest
+        page = self._pool.block_table(seq_id)[full]
+        self._pool.incref([page])
+        tails[tokens] = page
+        self._tail_pages += 1
+
     def detach(self, state: CacheState) -> None:
         self._unlock(state)
         self._release_l2(state)
@@ -237,6 +315,16 @@ class PrefixCache:
     def check_integrity(self) -> None:
         self._index.check_integrity()
         self._pool.check_integrity()
+
+
+def _leading_shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    shared = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        shared += 1
+    return shared
 
 
 def _unusable(lease: L2Lease, attached: Attached | None, slots: tuple[int, ...]) -> str:

@@ -153,8 +153,7 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.prefix.cache(seq.key, seq.token_ids, seq.num_computed, seq.cache)
-        self.prefix.detach(seq.cache)
+        self.prefix.finish(seq.key, seq.token_ids, seq.num_computed, seq.cache)
         self.pool.release(seq.key)
 
     def schedule(self) -> list[ScheduledChunk]:

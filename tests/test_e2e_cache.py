@@ -15,7 +15,7 @@ import pytest
 
 from radixserve.launch import LocalServices, wait_for
 from radixserve.v1 import router_pb2
-from tests.stack import PAGE, ask, cached_blocks, document, generate, router_stub, segments_of
+from tests.stack import GREEDY, PAGE, ask, cached_blocks, document, generate, router_stub, segments_of
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +52,21 @@ def test_second_request_reuses_the_shared_prefix_with_equal_output(cluster):
     assert hit.usage.cached_tokens >= 0.9 * shared
     assert hit.usage.cached_tokens == hit.usage.cached_tokens_l1 + hit.usage.cached_tokens_l2
     assert reference.usage.cached_tokens == 0
+    assert list(hit.token_ids) == list(reference.token_ids)
+
+
+def test_the_next_turn_reuses_the_previous_turn_to_the_token_with_equal_output(cluster):
+    """Its answer's last, partial page included (the worker's kept tails)."""
+    _, _, routers, _ = cluster
+    stub = router_stub(routers["a"])
+    ids = list(stub.Tokenize(router_pb2.TokenizeRequest(messages=ask(document(4), "Who rang the bell?"))).token_ids)
+    answer_tokens = 8 + (-len(ids)) % PAGE  # the turn's K/V ends half-way through a page
+    sampling = router_pb2.SamplingParams(temperature=0, max_new_tokens=answer_tokens, ignore_eos=True)
+    (turn,) = stub.Generate(router_pb2.GenerateRequest(token_ids=ids, sampling=sampling), timeout=120)
+    next_turn = router_pb2.GenerateRequest(token_ids=ids + list(turn.token_ids) + ids[-20:], sampling=GREEDY)
+    (hit,) = stub.Generate(next_turn, timeout=120)
+    (reference,) = router_stub(routers["off"]).Generate(next_turn, timeout=120)
+    assert hit.usage.cached_tokens_l1 == len(ids) + answer_tokens - 1
     assert list(hit.token_ids) == list(reference.token_ids)
 
 

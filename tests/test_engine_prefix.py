@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client import CollectorRegistry
 
 from model_worker.engine import Engine
 from model_worker.metrics import EngineCollector
 from model_worker.prefix_cache import CacheRequest
-from model_worker.request import RequestOutput
+from model_worker.request import RequestOutput, SamplingParams
 from tests.engine_helpers import GREEDY, make_engine, run_until_idle
 
 SHARED = list(range(100, 130))  # 30 tokens: 7 full pages of 4, and 2 tokens over
@@ -21,10 +23,10 @@ def engine(tiny_llama_dir) -> Engine:
     return make_engine(tiny_llama_dir)
 
 
-def run(engine: Engine, request_id: str, prompt: list[int], cache: CacheRequest = CacheRequest()
-        ) -> list[RequestOutput]:
+def run(engine: Engine, request_id: str, prompt: list[int], cache: CacheRequest = CacheRequest(),
+        sampling: SamplingParams = GREEDY) -> list[RequestOutput]:
     outputs: list[RequestOutput] = []
-    engine.add_request(request_id, prompt, GREEDY, outputs.append, cache)
+    engine.add_request(request_id, prompt, sampling, outputs.append, cache)
     run_until_idle(engine)
     engine.check_integrity()
     return outputs
@@ -56,6 +58,33 @@ def test_generated_pages_are_cached_for_the_next_turn(engine):
     history = PROMPT_A + tokens(first)  # 33 + 12 = 45 tokens; 44 computed (the last sample is not fed back)
     second = run(engine, "turn2", history + [42])
     assert second[-1].cached_tokens_l1 == 44
+
+
+def test_the_next_turn_reuses_the_last_partial_page_with_equal_output(engine, tiny_llama_dir):
+    answer = tokens(run(engine, "turn1", PROMPT_A, sampling=dataclasses.replace(GREEDY, max_new_tokens=10)))
+    next_turn = PROMPT_A + answer + [42]  # 33 + 9 computed: 10 full pages, and a tail of 2 tokens
+    cold = tokens(run(make_engine(tiny_llama_dir), "cold", next_turn))
+    second = run(engine, "turn2", next_turn)
+    assert second[-1].cached_tokens_l1 == 42
+    assert tokens(second) == cold
+
+
+def test_a_branch_reuses_the_tokens_it_shares_with_a_kept_tail(engine, tiny_llama_dir):
+    run(engine, "a", SHARED, sampling=dataclasses.replace(GREEDY, max_new_tokens=1))  # a tail of [128, 129]
+    branch = SHARED[:29] + [77, 78]
+    cold = tokens(run(make_engine(tiny_llama_dir), "cold", branch))
+    hit = run(engine, "branch", branch)
+    assert hit[-1].cached_tokens_l1 == 29
+    assert tokens(hit) == cold
+
+
+def test_tails_are_evicted_before_index_pages(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_pages=16)
+    answer = tokens(run(engine, "a", SHARED))  # 30 + 11 computed: 10 full pages and a tail
+    assert engine.prefix.cached_pages == 11
+    run(engine, "c", list(range(500, 533)))  # 11 pages: 5 free, then the tail and 5 index pages evicted
+    assert engine.prefix.cached_pages == 16
+    assert run(engine, "a2", SHARED + answer + [1])[-1].cached_tokens_l1 == 20
 
 
 @pytest.mark.parametrize("cache", [CacheRequest(enabled=False), CacheRequest(salt="tenant-b")],
