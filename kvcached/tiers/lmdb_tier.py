@@ -183,7 +183,7 @@ _STOP = object()
 class DiskTier:
     """See the module docstring. Opening reads every header once to rebuild sizes and the LRU set."""
 
-    def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 1 << 30,
+    def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 256 << 20,
                  max_batch_blocks: int = 4, max_batch_bytes: int = 4 << 20, map_size: int | None = None,
                  read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
@@ -379,11 +379,11 @@ class DiskTier:
         waits for a write, so the writer runs on idle cores only (SCHED_IDLE) while at most `_urgent_bytes` (three
         quarters of the queue's bound) is queued, and beside the requests at background priority from then until the
         backlog halves: a sustained load neither fills the queue nor widens what a kill -9 loses past that. Where the
-        thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background priority. The queue holds
-        L2 slots, copied out only when L2 evicts them first, so its 1 GiB default bound costs memory only under
-        eviction; it is sized so that `make bench-peers`' stack never escalates (peak backlog 388-419 MiB), where 256
-        MiB either escalated (peak 234-253 MiB) and then slowed the next no-reuse round, or, never escalating, dropped
-        265 writes (docs/design.md section 9, "The L3 writer's queue")."""
+        thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background priority. The no-reuse
+        workload, 3 runs of 8 requests of 256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against
+        19.0-20.3 at nice 10, prefills of 4 x 256 tokens 517-542 against 512-630 ms. Escalating at a quarter of the
+        bound instead put the writer beside the hits after a single long-document round (docs/design.md section 9,
+        "Memory on these VMs")."""
         may_idle = can_leave_idle()
         idle: bool | None = None
         while True:
