@@ -155,7 +155,8 @@ class PrefixCache:
         lease = state.request.l2_lease
         leased = min(len(hashes), len(lease.slots)) if lease else 0
         pages = max(self._index.match(hashes).pages, leased)
-        return pages * self._page_size + self._tail_match(state, prompt, hashes, pages)[0]
+        start = pages * self._page_size
+        return start + self._tail_match(self._key_before(state, hashes, pages), prompt, start)[0]
 
     def attach(self, seq_id: Hashable, prompt: list[int], state: CacheState) -> int:
         """Puts the reusable prefix of `prompt` into the block table of `seq_id`; returns its length in tokens."""
@@ -207,22 +208,20 @@ class PrefixCache:
         """The key tails after the first `pages` pages are kept under: the last page's, or the namespace's."""
         return hashes[pages - 1] if pages else namespace_key(self._fingerprint, state.request.salt)
 
-    def _tail_match(self, state: CacheState, prompt: list[int], hashes: list[BlockHash], pages: int
-                    ) -> tuple[int, int | None]:
-        """The kept tail after the prompt's first `pages` pages that shares the most tokens with it, short of its last
+    def _tail_match(self, key: bytes, prompt: list[int], start: int) -> tuple[int, int | None]:
+        """The tail kept under `key` that shares the most leading tokens with `prompt[start:]`, short of its last
         token: (how many, its page), or (0, None)."""
-        tails = self._tails.get(self._key_before(state, hashes, pages))
-        start = pages * self._page_size
         wanted = prompt[start:min(start + self._page_size, len(prompt) - 1)]
-        return max(((_leading_shared(tokens, wanted), page) for tokens, page in (tails or {}).items()),
+        return max(((_leading_shared(tokens, wanted), page) for tokens, page in self._tails.get(key, {}).items()),
                    key=lambda match: match[0], default=(0, None))
 
     def _copy_tail(self, state: CacheState, prompt: list[int], hashes: list[BlockHash], table: list[int]) -> int:
         """Appends a copy of the best kept tail after the table's pages to it (`_tail_match`); its tokens."""
-        shared, source = self._tail_match(state, prompt, hashes, len(table))
+        key = self._key_before(state, hashes, len(table))
+        shared, source = self._tail_match(key, prompt, len(table) * self._page_size)
         if not shared:
             return 0
-        self._tails.move_to_end(self._key_before(state, hashes, len(table)))
+        self._tails.move_to_end(key)
         self._pool.incref([source])  # making room may evict this very tail
         self.make_room(1)
         page = self._pool.allocate(1)
@@ -240,9 +239,12 @@ class PrefixCache:
     def cache(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
         """Inserts the sequence's computed full pages into the index and commits what kvcached lacks."""
         full = num_computed // self._page_size
-        if not state.request.enabled or full <= state.pages_in_l1:
-            return
-        hashes = self._hashes(state, token_ids[:full * self._page_size])
+        if state.request.enabled and full > state.pages_in_l1:
+            self._insert(seq_id, token_ids, self._hashes(state, token_ids[:full * self._page_size]), state)
+
+    def _insert(self, seq_id: Hashable, token_ids: list[int], hashes: list[BlockHash], state: CacheState) -> None:
+        """`cache` with the hashes of the computed full pages, more than the sequence has cached."""
+        full = len(hashes)
         table = self._pool.block_table(seq_id)[:full]
         # The new lease pins the whole cached path, so eviction never takes pages this sequence still uses.
         inserted = self._index.insert(hashes, table, lock=True)
@@ -277,24 +279,26 @@ class PrefixCache:
     # -- end of a sequence -------------------------------------------------------------------------------------
     def finish(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
         """The sequence ended (module docstring); its pages are released next."""
-        self.cache(seq_id, token_ids, num_computed, state)
-        self._keep_tail(seq_id, token_ids, num_computed, state)
+        if state.request.enabled:
+            full = num_computed // self._page_size
+            end_of_full = full * self._page_size
+            hashes = self._hashes(state, token_ids[:end_of_full])
+            if full > state.pages_in_l1:
+                self._insert(seq_id, token_ids, hashes, state)
+            if num_computed > end_of_full:
+                self._keep_tail(self._key_before(state, hashes, full), tuple(token_ids[end_of_full:num_computed]),
+                                self._pool.block_table(seq_id)[full])
         self.detach(state)
 
-    def _keep_tail(self, seq_id: Hashable, token_ids: list[int], num_computed: int, state: CacheState) -> None:
-        full, held = divmod(num_computed, self._page_size)
-        if not state.request.enabled or not held:
-            return
-        key = self._key_before(state, self._hashes(state, token_ids[:full * self._page_size]), full)
-        tokens = tuple(token_ids[full * self._page_size:num_computed])
+    def _keep_tail(self, key: bytes, tokens: tuple[int, ...], page: int) -> None:
+        """Keeps `page`, holding K/V for `tokens` after the full page of `key`, as a tail (module docstring)."""
         tails = self._tails.setdefault(key, {})
         self._tails.move_to_end(key)
-        if any(kept[:held] == tokens for kept in tails):  # an equal or longer one is kept
+        if any(kept[:len(tokens)] == tokens for kept in tails):  # an equal or longer one is kept
             return
         self._drop_tails(tails, [kept for kept in tails if tokens[:len(kept)] == kept])  # this one covers them
         if len(tails) >= MAX_TAILS_PER_KEY:
             self._drop_tails(tails, [next(iter(tails))])  # the oldest
-        page = self._pool.block_table(seq_id)[full]
         self._pool.incref([page])
         tails[tokens] = page
         self._tail_pages += 1
