@@ -43,7 +43,8 @@ from radixserve.v1 import kvcache_pb2, kvcache_pb2_grpc, router_pb2, router_pb2_
 POLICIES = ("wait_complete", "timeout", "best_effort")
 # Room for every block of the run in both tiers, so neither evicts a prefix the run still needs.
 KVCACHED_ARGS = ["--host-cache-size-gb", "1.5", "--disk-cache-size-gb", "3"]
-READ_DELAY_MS = 10  # per L3 block in the mixed run: a 38-page prefix loads in ~0.4 s, twice the timeout policy's wait
+READ_DELAY_MS = 20  # per L3 block in the mixed run: a 38-page prefix loads in ~0.4 s (two batches of 8 at once),
+#                     twice the timeout policy's wait
 
 
 def run(dtype: str) -> list[Row]:

@@ -71,6 +71,7 @@ from enum import Enum
 from typing import NamedTuple, Protocol, TypeVar
 
 import lmdb
+import numpy as np
 import xxhash
 
 from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
@@ -636,7 +637,9 @@ def _verified(key: bytes, value: memoryview) -> memoryview | None:
 
 
 def _copy_into(out: memoryview, payload: memoryview) -> bool:
+    """Copies with the GIL released (numpy's copy; a memoryview slice assignment holds it), so the prefetch pool's
+    threads read blocks in parallel: 118 blocks in 15 ms on 2 threads against 25 ms on one (design section 4)."""
     if len(out) < len(payload):
         raise ValueError(f"buffer of {len(out)} bytes cannot hold a {len(payload)}-byte block")
-    out[:len(payload)] = payload
+    np.copyto(np.frombuffer(out, np.uint8, len(payload)), np.frombuffer(payload, np.uint8))
     return True
