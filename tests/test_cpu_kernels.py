@@ -85,7 +85,7 @@ def test_each_row_is_computed_alone():
 
 def _paged_call(dim: int, page: int, heads: int, kv_heads: int):
     """A pool, chunks and q/k/v for `paged_attention`: prefill parts (cold, over a cached prefix, longer than a
-    task's 16 positions) and decode rows of unequal contexts; q/k/v strided views of one tensor, as the model's."""
+    task's 32 positions) and decode rows of unequal contexts; q/k/v strided views of one tensor, as the model's."""
     torch.manual_seed(0)
     pool = KVPool(256, BlockGeometry(2, kv_heads, dim, page, "float32"))
     pool.kv.normal_()
