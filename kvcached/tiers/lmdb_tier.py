@@ -14,10 +14,11 @@ not an adversary, so XXH3.
 Threads and contracts
 - NOTE: LMDB allows one writer. Every write transaction (puts, evictions, deletion of corrupt blocks, namespace
   drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn:
-  by default 4 blocks / 4 MiB, short bursts beside the forward. With 64 blocks a txn (47 MB), a shared-prefix hit
-  (2 x 24 tokens over 640) committed while the writer stored the prompt before it took 63-106 ms against 52-78 with
-  4 (12 hits each, 2 alternating runs; 8 blocks: 59-136, 1 block: 54-72); the no-reuse workload's throughput was
-  the same (docs/design.md section 9).
+  by default 16 blocks / 16 MiB. Each txn's commit syncs, and on the Xeon VM of 2026-12-05 those syncs slowed the
+  worker beside them: after the peers workloads, no-reuse throughput with the cache on was 0.93-0.94x of cache off
+  with 4 blocks a txn (3 alternating runs), 0.96-0.98x with 16, and 0.99-1.01x with no sync at all; the
+  shared-prefix p50 was 119-125 ms with 16 against 125-130 with 4. (On a Zen 5 host, 64 blocks a txn had slowed a
+  shared-prefix hit committed beside it: 63-106 ms against 52-78 with 4; docs/design.md section 9.)
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
   `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents). The block
   comes as bytes or as a `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into
@@ -185,7 +186,7 @@ class DiskTier:
     """See the module docstring. Opening reads every header once to rebuild sizes and the LRU set."""
 
     def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 256 << 20,
-                 max_batch_blocks: int = 4, max_batch_bytes: int = 4 << 20, map_size: int | None = None,
+                 max_batch_blocks: int = 16, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
                  read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
