@@ -109,7 +109,7 @@ class Prefetcher:
         stuck: list[int] = []
         in_flight: deque[asyncio.Task] = deque()
         try:
-            sent = prefetch.ready
+            sent, last = prefetch.ready, time.perf_counter()
             while prefetch.ready < prefetch.total:
                 while len(in_flight) < READS_IN_FLIGHT and sent < prefetch.total:
                     batch = prefetch.slots[sent:sent + READ_BATCH]
@@ -117,6 +117,7 @@ class Prefetcher:
                     sent += len(batch)
                 batch_size = min(READ_BATCH, prefetch.total - prefetch.ready)
                 loaded = await in_flight.popleft()
+                last = self._measure(loaded * prefetch.namespace.geometry.block_bytes, last)
                 if not all(self._cache.prefetched(prefetch) for _ in range(loaded)) or loaded < batch_size:
                     break
         except Exception:  # a task's exception would otherwise vanish with it; the prefetch ends here
@@ -129,13 +130,20 @@ class Prefetcher:
             self._cache.end_prefetch(prefetch, keep=stuck)
             self._finished.pop(prefetch.prefetch_id).set()
 
+    def _measure(self, nbytes: int, since: float) -> float:
+        """Folds `nbytes` read since `since` (the previous batch's arrival: batches arrive in order, so this is the
+        pace of the reads in flight together) into the read bandwidth; returns now."""
+        now = time.perf_counter()
+        if nbytes:
+            self._read_bps += EWMA_WEIGHT * (nbytes / max(now - since, 1e-6) - self._read_bps)
+        return now
+
     async def _read(self, prefetch: Prefetch, index: int, slots: list[int], stuck: list[int]) -> int:
         """Reads pages [index, index + len(slots)) of the prefetch into `slots` on a pool thread; how many, from
         the front, arrived."""
         first = prefetch.first + index
         hashes = prefetch.hashes[first:first + len(slots)]
         views = [prefetch.namespace.pool.view(slot) for slot in slots]
-        started = time.perf_counter()
         future = self._executor.submit(self._read_run, hashes, views)
         try:
             loaded = await asyncio.wait_for(asyncio.wrap_future(future), self._read_timeout_s * len(slots))
@@ -148,9 +156,6 @@ class Prefetcher:
             return 0
         if loaded < len(slots):
             metrics.prefetch_failures.labels(reason="miss").inc()
-        if loaded:
-            elapsed = max(time.perf_counter() - started, 1e-6)
-            self._read_bps += EWMA_WEIGHT * (loaded * len(views[0]) / elapsed - self._read_bps)
         return loaded
 
     def _read_run(self, hashes, views) -> int:

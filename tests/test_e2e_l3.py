@@ -17,8 +17,8 @@ from tests.stack import PAGE, ask, document, generate, kvcached_stats, router_st
 
 pytestmark = pytest.mark.e2e
 
-READ_DELAY_MS = 30  # per L3 block after the restart: ~25 pages load in ~0.4 s (batches of 8: 240 ms each, two at
-#                     once), past the 200 ms timeout policy's wait
+READ_DELAY_MS = 20  # per L3 block after the restart: ~25 pages load in ~0.3 s (batches of 8: 160 ms each, two at
+#                     once), past the 200 ms timeout policy's wait, with the first two batches in by then
 
 
 def disk_blocks(kvcached: str) -> int:
@@ -69,7 +69,7 @@ def test_warm_restart_serves_from_l3_with_equal_output(cluster):
 
 
 def test_timeout_policy_waits_past_the_timeout_while_the_rest_loads_sooner_than_it_recomputes(cluster):
-    """~25 pages load in ~0.4 s, past the 200 ms timeout, and would recompute in 20 s: the cost-aware wait takes
+    """~25 pages load in ~0.3 s, past the 200 ms timeout, and would recompute in 20 s: the cost-aware wait takes
     them all. (Where recomputing is the sooner, the wait ends at the timeout: tests/test_kvcached_disk_service.py.)"""
     _, _, routers, prompts, answers, _ = cluster
     loaded = generate(routers["timeout"], prompts["timeout"])
