@@ -30,7 +30,7 @@ class RouterConfig(TransportSecurity):
     log_level: str = setting("info", "debug, info, warning or error")
     worker: tuple[str, ...] = setting(("127.0.0.1:50053",), "model worker HOST:PORT")
     kvcached: str = setting("127.0.0.1:50052", "kvcached HOST:PORT; empty = no shared prefix cache")
-    kvcached_timeout_ms: int = setting(100, "deadline of a prefix match; past it the request is recomputed")
+    kvcached_timeout_ms: int = setting(500, "deadline of a prefix match; past it the request is recomputed")
     lease_ttl_ms: int = setting(30_000, "how long kvcached pins a matched prefix if the worker never releases it")
     prefetch_policy: PrefetchPolicy = setting(PrefetchPolicy.TIMEOUT, "when a request with disk-tier pages runs")
     prefetch_timeout_ms: int = setting(200, "the timeout policy's wait: about one 128-token prefill chunk here")
