@@ -53,6 +53,24 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+// exp8's operations 16 lanes at a time, y * 2^n in one scalef, for the softmax's x <= 0 (up to rounding; no upper
+// clamp): each lane exp8's bits (a product by a power of two, rounded once either way).
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
 void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
@@ -263,31 +281,65 @@ struct SoftmaxState {
   float rescale = 0.f;
 };
 
-// One block of a row: s holds `lanes` raw scores, of which the first `count` are its context; on return s holds
-// e^(scale * score - max) (exactly 0 past `count`) and `state` is updated. The lanes past `count` add zeros, so a
-// row gives the same state whatever `lanes` its call used.
-inline void softmax_block(float* s, int64_t count, int64_t lanes, float scale, SoftmaxState& state) {
-  const __m256 factor = _mm256_set1_ps(scale), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 top = minus_inf;
-  for (int64_t t = 0; t < lanes; t += kLanes) {
-    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), factor);
-    if (t + kLanes > count) x = _mm256_blendv_ps(minus_inf, x, _mm256_castsi256_ps(lane_mask(count - t)));
-    _mm256_storeu_ps(s + t, x);
-    top = _mm256_max_ps(top, x);
-  }
-  const float max = std::max(state.max, horizontal_max(top));
-  const __m256 shift = _mm256_set1_ps(max);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < lanes; t += kLanes) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    if (t + kLanes > count) e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(count - t)));
-    _mm256_storeu_ps(s + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
+// A block's softmax step done: the row's new max and the block's e^(x - max) summed in 8 lanes -> `state`.
+inline void finish_softmax_block(float max, __m256 sum, SoftmaxState& state) {
   // e^0 is exactly 1 (exp8), so an unchanged max skips the exponential and gives the same bits
   state.rescale = state.sum == 0.f ? 0.f : max == state.max ? 1.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(state.max - max)));
   state.sum = state.sum * state.rescale + horizontal_sum(sum);
   state.max = max;
+}
+
+// One block of a row: s holds `lanes` raw scores q.k, of which the first `count` are its context; on return s
+// holds e^(score * scale - max), one fused multiply-subtract rounded once (exactly 0 past `count`), and `state` is
+// updated. The block's max is scale times its largest raw score (scale > 0: the same float). The sum keeps 16
+// lanes, e[16 i + l] added in order of i to lane l, then the high 8 to the low 8: the lanes past `count` add
+// zeros, so a row gives the same state whatever `lanes` its call used, and 16-lane code the same bits.
+inline void softmax_block(float* s, int64_t count, int64_t lanes, float scale, SoftmaxState& state) {
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top = minus_inf;
+  for (int64_t t = 0; t < lanes; t += kLanes) {
+    __m256 x = _mm256_loadu_ps(s + t);
+    if (t + kLanes > count) x = _mm256_blendv_ps(minus_inf, x, _mm256_castsi256_ps(lane_mask(count - t)));
+    top = _mm256_max_ps(top, x);
+  }
+  const float max = std::max(state.max, scale * horizontal_max(top));
+  const __m256 factor = _mm256_set1_ps(scale), shift = _mm256_set1_ps(max);
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t t = 0; t < lanes; t += kLanes) {
+    __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + t), factor, shift));
+    if (t + kLanes > count) e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(count - t)));
+    _mm256_storeu_ps(s + t, e);
+    sum[t / kLanes % 2] = _mm256_add_ps(sum[t / kLanes % 2], e);
+  }
+  finish_softmax_block(max, _mm256_add_ps(sum[0], sum[1]), state);
+}
+
+// `softmax_block` 16 lanes at a time (lanes <= kBlockPositions; s has room for a multiple of 16): the same bits.
+__attribute__((target("avx512f"))) inline void softmax_block_avx512(float* s, int64_t count, int64_t lanes,
+                                                                    float scale, SoftmaxState& state) {
+  const int vectors = static_cast<int>((lanes + 15) / 16);
+  const bool whole = count == vectors * 16;  // no lane to mask
+  auto live = [count](int v) {
+    const int64_t left = count - v * 16;
+    return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+  };
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int v = 0; v < vectors; ++v) {
+    const __m512 x = _mm512_loadu_ps(s + v * 16);
+    top = whole ? _mm512_max_ps(top, x) : _mm512_mask_max_ps(top, live(v), top, x);
+  }
+  const float max = std::max(state.max, scale * _mm512_reduce_max_ps(top));
+  const __m512 factor = _mm512_set1_ps(scale), shift = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < vectors; ++v) {
+    __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + v * 16), factor, shift));
+    if (!whole) e = _mm512_maskz_mov_ps(live(v), e);
+    _mm512_storeu_ps(s + v * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  finish_softmax_block(max, _mm256_add_ps(_mm512_castps512_ps256(sum),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))),
+                       state);
 }
 
 // acc[r] = acc[r] * states[r].rescale (unless states is null) + sum over begin <= j < end, in order, of
@@ -399,6 +451,9 @@ struct Avx2Attention {
                     const float* const* values, int64_t begin, int64_t end) {
     weigh_rows<DIM, NR>(acc, e, e_stride, states, values, begin, end);
   }
+  static void softmax(float* s, int64_t count, int64_t lanes, float scale, SoftmaxState& state) {
+    softmax_block(s, count, lanes, scale, state);
+  }
 };
 
 struct Avx512Attention {
@@ -418,6 +473,10 @@ struct Avx512Attention {
                                                        const SoftmaxState* states, const float* const* values,
                                                        int64_t begin, int64_t end) {
     weigh_rows_avx512<DIM, NR>(acc, e, e_stride, states, values, begin, end);
+  }
+  __attribute__((target("avx512f"))) static void softmax(float* s, int64_t count, int64_t lanes, float scale,
+                                                         SoftmaxState& state) {
+    softmax_block_avx512(s, count, lanes, scale, state);
   }
 };
 
@@ -499,7 +558,7 @@ void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
     // never enter its softmax or its sum, so its operations are those of the row computed alone.
     auto reach = [&](int64_t r) { return std::min(width, context(r) - first); };
     for (int64_t r = begin; r < rows; ++r)
-      softmax_block(e + r * width, reach(r), round_up8(reach(r)), task.scale, scratch.states[r]);
+      Isa::softmax(e + r * width, reach(r), round_up8(reach(r)), task.scale, scratch.states[r]);
     const float* const* values = scratch.values.data();
     for (int64_t r = begin; r < rows; r += Isa::kWeighRows) {
       const int64_t n = std::min<int64_t>(Isa::kWeighRows, rows - r), shared = reach(r);  // rows' reaches grow with r
@@ -547,6 +606,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t page_size = k_cache.size(1), kv_heads = k_cache.size(2), num_pages = k_cache.size(0);
   TORCH_CHECK(dim == 64 || dim == 128, "head_dim must be 64 or 128, got ", dim);
+  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
   TORCH_CHECK(page_size >= 1 && kv_heads >= 1, "the cache needs pages of at least one token and one KV head");
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head shapes do not match");
   const int64_t group = heads / kv_heads, max_pages = block_tables.size(1);
