@@ -135,11 +135,12 @@ def test_paged_attention_matches_sdpa_and_computes_each_row_alone(dim, page, hea
 
 
 def test_paged_attention_never_reads_a_later_position():
-    """A row attends to its own positions only, even beside later rows of its chunk: an infinite V at position 290
-    leaves the rows before it finite and equal to their bits computed alone (rows of two positions share a row
-    block with 8 query heads over 2 KV heads)."""
+    """A row attends to its own positions only, even beside later rows of its chunk: an infinite K and V at
+    position 290 leave the rows before it finite and equal to their bits computed alone (rows of two positions share
+    a row block with 8 query heads over 2 KV heads; the chunk's keys are transposed once for all its tiles, so the
+    first tile's last block holds position 290)."""
     pool, chunks, q, k, v, first = _paged_call(64, 16, 8, 2)
-    v[first + 40] = float("inf")  # position 250 + 40
+    k[first + 40] = v[first + 40] = float("inf")  # position 250 + 40
     paged = PagedCpuBackend(pool, 8, 2, 64)
     got = paged.attend(1, q, k, v, paged.prepare(chunks))
     assert torch.isfinite(got[first:first + 40]).all() and not torch.isfinite(got[first + 40]).all()

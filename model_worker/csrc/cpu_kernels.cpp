@@ -513,7 +513,20 @@ struct AttentionTask {
   float scale;
   float* out;  // the tile's first position, the group's first head; positions `out_token` apart
   int64_t out_token;
+  // This KV head's keys of the chunk transposed once for all its tiles (`transpose_chunk_keys`): block b at
+  // kt + b * DIM * kBlockPositions. Null: the task transposes each block itself.
+  const float* kt;
 };
+
+// rows[t] = the row of position first + t (t < count) of paged rows: base + table[p / page_size] * page_stride +
+// (p % page_size) * token_stride.
+inline void paged_rows(const float* base, int64_t page_stride, int64_t token_stride, const int64_t* table,
+                       int64_t page_size, int64_t first, int64_t count, const float** rows) {
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t position = first + t;
+    rows[t] = base + table[position / page_size] * page_stride + (position % page_size) * token_stride;
+  }
+}
 
 struct AttentionScratch {
   std::vector<float> kt, e, acc;
@@ -542,18 +555,22 @@ void attend_tile(const AttentionTask& task, AttentionScratch& scratch) {
   auto context = [&](int64_t r) { return task.first_position + r / group + 1; };
   for (int64_t first = 0; first < last_context; first += width) {
     const int64_t count = std::min(width, last_context - first), lanes = round_up8(count);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t page = task.table[(first + t) / page_size], offset = (first + t) % page_size;
-      scratch.keys[t] = task.k + page * task.k_page + offset * task.k_token;
-      scratch.values[t] = task.v + page * task.v_page + offset * task.v_token;
+    paged_rows(task.v, task.v_page, task.v_token, task.table, page_size, first, count, scratch.values.data());
+    // A shared block may hold later positions of the chunk past `count`: like the lanes past a row's reach below,
+    // their scores never enter a softmax.
+    const float* kt = scratch.kt.data();
+    if (task.kt != nullptr) {
+      kt = task.kt + first * DIM;  // block first / width
+    } else {
+      paged_rows(task.k, task.k_page, task.k_token, task.table, page_size, first, count, scratch.keys.data());
+      transpose_keys<DIM>(scratch.keys.data(), count, scratch.kt.data(), width);
     }
     // rows whose context reaches this block: positions from first - first_position on
     const int64_t begin = std::max<int64_t>(0, first - task.first_position) * group;
-    transpose_keys<DIM>(scratch.keys.data(), count, scratch.kt.data(), width);
     float* e = scratch.e.data();
     for (int64_t r = begin; r < rows; r += Isa::kScoreRows)  // the rows' raw scores
-      score_group<Isa, DIM>(std::min<int64_t>(Isa::kScoreRows, rows - r), scratch.q.data() + r, scratch.kt.data(),
-                            width, lanes, e + r * width, width);
+      score_group<Isa, DIM>(std::min<int64_t>(Isa::kScoreRows, rows - r), scratch.q.data() + r, kt, width, lanes,
+                            e + r * width, width);
     // A row reads only its own `reach` positions of the block: the lanes past it (later positions of its chunk)
     // never enter its softmax or its sum, so its operations are those of the row computed alone.
     auto reach = [&](int64_t r) { return std::min(width, context(r) - first); };
@@ -631,6 +648,30 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t long_tiles = 0;
   for (int64_t c = 0; c < chunks; ++c) long_tiles += (length[c] + kTilePositions - 1) / kTilePositions;
   const int64_t tile = long_tiles * kv_heads >= 2 * at::get_num_threads() ? kTilePositions : kShortTilePositions;
+  // A chunk of two tiles or more has its keys transposed once, block by block, for all its tiles (a restarted
+  // prefix hit's 112 positions over 1,888: 4 tiles a KV head, each transposing all 31 blocks before).
+  auto blocks = [&](int64_t c) { return (first[c] + length[c] + kBlockPositions - 1) / kBlockPositions; };
+  std::vector<int64_t> shared_offset(chunks, -1);
+  int64_t shared_blocks = 0;
+  for (int64_t c = 0; c < chunks; ++c)
+    if (length[c] > tile) {
+      shared_offset[c] = shared_blocks;
+      shared_blocks += blocks(c) * kv_heads;
+    }
+  auto transposed = at::empty({shared_blocks, dim, kBlockPositions}, q.options());
+  float* kts = transposed.data_ptr<float>();
+  struct KeyBlock {  // one block to transpose: (chunk, KV head, block)
+    int64_t chunk, head, block;
+  };
+  std::vector<KeyBlock> key_blocks;
+  key_blocks.reserve(shared_blocks);
+  for (int64_t c = 0; c < chunks; ++c)
+    if (shared_offset[c] >= 0)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t b = 0; b < blocks(c); ++b) key_blocks.push_back(KeyBlock{c, h, b});
+  auto shared_keys = [&](int64_t c, int64_t h) {  // (chunk, KV head)'s first transposed block
+    return kts + (shared_offset[c] + h * blocks(c)) * dim * kBlockPositions;
+  };
   std::vector<AttentionTask> tasks;
   for (int64_t c = 0, row = 0; c < chunks; row += length[c], ++c)
     for (int64_t j = 0; j < length[c]; j += tile)
@@ -640,7 +681,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                                       k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                                       tables + c * max_pages, page_size, first[c] + j,
                                       std::min(tile, length[c] - j), group, static_cast<float>(scale),
-                                      os + (row + j) * heads * dim + h * group * dim, heads * dim});
+                                      os + (row + j) * heads * dim + h * group * dim, heads * dim,
+                                      shared_offset[c] >= 0 ? shared_keys(c, h) : nullptr});
   auto cost = [](const AttentionTask& t) { return t.positions * (t.first_position + t.positions); };
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](const AttentionTask& a, const AttentionTask& b) { return cost(a) > cost(b); });
@@ -649,6 +691,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     AttentionScratch scratch;
+    scratch.keys.resize(kBlockPositions);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < static_cast<int64_t>(key_blocks.size()); ++i) {
+      const auto [c, h, b] = key_blocks[i];
+      const int64_t position = b * kBlockPositions;
+      const int64_t n = std::min(kBlockPositions, first[c] + length[c] - position);
+      paged_rows(ks + h * k_cache.stride(2), k_cache.stride(0), k_cache.stride(1), tables + c * max_pages, page_size,
+                 position, n, scratch.keys.data());
+      float* kt = shared_keys(c, h) + b * dim * kBlockPositions;
+      dim == 64 ? transpose_keys<64>(scratch.keys.data(), n, kt, kBlockPositions)
+                : transpose_keys<128>(scratch.keys.data(), n, kt, kBlockPositions);
+    }  // (the loop's barrier: every block transposed before a task reads one)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i) {
       if (avx512 && cpu_has_avx512()) {
