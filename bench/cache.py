@@ -8,7 +8,8 @@
       router_b ──► worker_b ──┼──► kvcached (L2 in shared memory)
       router_off ─► worker_b  │    (--disable-radix-cache: cold)
 
-- copy: the worker's L2→L1 loop (one `copy_` per block from the shared-memory slots into the page-first pool)
+- copy: the worker's L2→L1 loop (one memmove per block from the shared-memory slots into the page-first pool, two
+  threads taking blocks in turn)
   against one `copy_` and one memmove of the same bytes, in process.
 - match: kvcached's MatchPrefix over gRPC (4,096-token prompts, 100,000 blocks cached), synchronous client.
 """
@@ -169,9 +170,10 @@ def copy_bandwidth(dtype: str, blocks: int = 120, pages: int = 128, reps: int = 
 
         block_copy = block_copy_for(pool.kv.device)
 
-        def plain_loop() -> None:  # the copy alone, without the header checks
+        def plain_loop() -> None:  # the copies alone, without the header checks
             for page, slot in pairs:
                 block_copy.copy(pool.kv[page], slots[slot])
+            block_copy.drain()  # they are made here
 
         def worker_loop() -> None:  # what PrefixCache._copy_from_l2 does: headers checked around each copy
             kept, _ = copy_verified(block_copy, pool.kv, worker_view, [p for p, _ in pairs], [s for _, s in pairs],
