@@ -168,7 +168,7 @@ def copy_bandwidth(dtype: str, blocks: int = 120, pages: int = 128, reps: int = 
         generations = [shm.generation(slot) for _, slot in pairs]
         worker_view = Attached(attached, slab_blocks(attached, geometry))
 
-        block_copy = block_copy_for(pool.kv.device)
+        block_copy = block_copy_for(pool.kv.device, waited_for=True)  # as the worker's L2 -> L1 copies
 
         def plain_loop() -> None:  # the copies alone, without the header checks
             for page, slot in pairs:

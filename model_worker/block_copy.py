@@ -3,9 +3,11 @@
 A block is one page of all layers, contiguous on both sides (page-first layout), so each move is one copy.
 - CPU pool: one memmove per block. torch's `copy_` of a 0.7 MB block fans out over its thread pool and, with the
   cores busy decoding, waits for a second thread: measured 0.09 GB/s under load against 7-8 GB/s for a memmove.
-  The copies a thread issues are made when it drains them, by it and one helper thread taking blocks in turn (a
-  busy helper only leaves more to the caller): two threads move more bytes than one (87 MB of blocks, cold: 9-13
-  against 15-16 ms, Xeon VM).
+  Copies are made when drained. Those a request waits for (L2 -> L1, before its forward, while the cores are
+  otherwise idle) are shared with one helper thread, the two taking blocks in turn (a busy helper only leaves more
+  to the caller): two threads move more bytes than one (87 MB of blocks, cold: 8-11 against 14-16 ms, Xeon VM).
+  Commits (L1 -> L2) run beside the forward, on the caller alone: a second copying thread would take the other core
+  from the forward's OpenMP team.
 - CUDA pool: the shared-memory mapping is page-locked (`cudaHostRegister`) once per attach, so copies are true
   asynchronous DMA on a side stream; `drain()` waits on the host until they are complete: before a block copied into
   L1 is verified against its slot's header, and before a block copied out of the GPU is committed.
@@ -34,11 +36,12 @@ def slab_blocks(segment: SlabSegment, geometry: BlockGeometry) -> torch.Tensor:
 
 
 class HostBlockCopy:
-    """Block copies between host tensors; each thread's copies are its own (`copy` then `drain`)."""
+    """Block copies between host tensors, issued and drained by one thread. `helper`: `drain` shares them with a
+    helper thread."""
 
-    def __init__(self) -> None:
-        self._issued = threading.local()
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="block-copy")
+    def __init__(self, helper: bool = False) -> None:
+        self._issued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="block-copy") if helper else None
 
     def pin(self, host: torch.Tensor) -> None:
         """Prepares a shared-memory mapping for fast copies; a no-op here."""
@@ -49,12 +52,12 @@ class HostBlockCopy:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Issues the copy of contiguous `src` into contiguous `dst` (the same size); it is made by `drain`. The
         pair is held until then, and so the mapping it views."""
-        self._pending().append((dst, src))
+        self._issued.append((dst, src))
 
     def drain(self) -> None:
-        """Makes the copies this thread issued since its last drain, and returns when they are complete."""
-        pairs, self._issued.pairs = self._pending(), []
-        if len(pairs) < 2:
+        """Makes the copies issued since the last drain, and returns when they are complete."""
+        pairs, self._issued = self._issued, []
+        if self._helper is None or len(pairs) < 2:
             for dst, src in pairs:
                 _move(dst, src)
             return
@@ -72,11 +75,6 @@ class HostBlockCopy:
         take_in_turn()
         helper.result()
 
-    def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not hasattr(self._issued, "pairs"):
-            self._issued.pairs = []
-        return self._issued.pairs
-
 
 def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
     """One memmove (ctypes releases the GIL during it)."""
@@ -85,7 +83,7 @@ def _move(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class CudaBlockCopy(HostBlockCopy):
     def __init__(self, device: torch.device):
-        super().__init__()
+        super().__init__(helper=False)
         self._stream = torch.cuda.Stream(device)
 
     def pin(self, host: torch.Tensor) -> None:
@@ -105,5 +103,7 @@ class CudaBlockCopy(HostBlockCopy):
         self._stream.synchronize()
 
 
-def block_copy_for(device: torch.device) -> HostBlockCopy:
-    return CudaBlockCopy(device) if device.type == "cuda" else HostBlockCopy()
+def block_copy_for(device: torch.device, waited_for: bool = False) -> HostBlockCopy:
+    """The copier for a pool on `device`; `waited_for`: for copies a request waits for (on the CPU, shared with a
+    helper thread)."""
+    return CudaBlockCopy(device) if device.type == "cuda" else HostBlockCopy(helper=waited_for)

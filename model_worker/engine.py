@@ -196,10 +196,11 @@ class Engine:
         self._mask = TokenMask(config.max_running_requests, self.info.vocab_size)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        block_copy = block_copy_for(self.device)
         self.kvcache = (KVCacheClient(config.kvcached, config, self.info.fingerprint, self.geometry, self.pool.kv,
-                                      config.kvcached_timeout_ms / 1e3, block_copy) if config.kvcached else None)
-        self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock, block_copy)
+                                      config.kvcached_timeout_ms / 1e3, block_copy_for(self.device))
+                        if config.kvcached else None)
+        self.prefix = PrefixCache(self.pool, self.info.fingerprint, self.kvcache, lock,
+                                  block_copy_for(self.device, waited_for=True))
         self.scheduler = Scheduler(self.pool, self.prefix, config.max_running_requests, config.chunked_prefill_size,
                                    config.max_prefill_tokens)
         self._thread: threading.Thread | None = None

@@ -46,6 +46,28 @@ def test_host_copy_moves_one_block_exactly_both_ways(shm):
     assert torch.equal(shm_blocks[0], shm_blocks[1]) and not shm_blocks[2].any()
 
 
+def test_copies_shared_with_the_helper_land_exactly():
+    """The L2 -> L1 copier drains with a helper thread, the two taking blocks in turn: each of 16 blocks lands in
+    its own page, nothing is written before the drain, and the other pages stay untouched."""
+    shm = SlabPool.create(new_segment_name(), GEOMETRY.block_bytes, 16)
+    try:
+        blocks = slab_blocks(shm.segment, GEOMETRY)
+        blocks.copy_(torch.randn(blocks.shape).to(blocks.dtype))
+        pool = KVPool(40, GEOMETRY)
+        copy = block_copy_for(pool.kv.device, waited_for=True)
+        pages = list(range(39, 7, -2))  # 16 pages, every other one, in reverse
+        for page, slot in zip(pages, range(16)):
+            copy.copy(pool.kv[page], blocks[slot])
+        assert not pool.kv.any()
+        copy.drain()
+        assert all(torch.equal(pool.kv[page], blocks[slot]) for page, slot in zip(pages, range(16)))
+        assert not pool.kv[[p for p in range(40) if p not in pages]].any()
+        del blocks
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copy_from_pinned_shared_memory_is_exact(shm):
