@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 
 from kvcached.tiers.dram_shm import SlabPool
-from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind
+from kvcached.tiers.lmdb_tier import ROOT_PARENT, DiskTier, EventKind, copy_bytes
 from radixserve.blocks.keys import BlockHash
 from radixserve.blocks.radix import EvictedBlock
 from radixserve.config import Choice
@@ -57,13 +57,13 @@ class SlotSource:
     def copy_into(self, out: memoryview) -> bool:
         if self._frozen is None and self._intact():
             with self._pool.view(self._slot) as slot:
-                out[:] = slot
+                copy_bytes(out, slot)
             if self._pool.generation(self._slot) == self._generation:
                 return True
         frozen = self._frozen  # set before the slot could be reused, so read after the generation moved
         if frozen is None:
             return False
-        out[:] = frozen
+        copy_bytes(out, frozen)
         return True
 
     def _intact(self) -> bool:
