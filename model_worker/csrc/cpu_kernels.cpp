@@ -513,7 +513,7 @@ struct AttentionTask {
   float scale;
   float* out;  // the tile's first position, the group's first head; positions `out_token` apart
   int64_t out_token;
-  // This KV head's keys of the chunk transposed once for all its tiles (`transpose_chunk_keys`): block b at
+  // This KV head's keys of the chunk, transposed once for all its tiles by `paged_attention`: block b at
   // kt + b * DIM * kBlockPositions. Null: the task transposes each block itself.
   const float* kt;
 };
@@ -659,19 +659,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       shared_blocks += blocks(c) * kv_heads;
     }
   auto transposed = at::empty({shared_blocks, dim, kBlockPositions}, q.options());
-  float* kts = transposed.data_ptr<float>();
-  struct KeyBlock {  // one block to transpose: (chunk, KV head, block)
-    int64_t chunk, head, block;
+  auto shared_keys = [&, kts = transposed.data_ptr<float>()](int64_t c, int64_t h) {  // its first transposed block
+    return kts + (shared_offset[c] + h * blocks(c)) * dim * kBlockPositions;
+  };
+  struct KeyBlock {  // one block to transpose: its chunk and KV head, first position and destination
+    int64_t chunk, head, position;
+    float* kt;
   };
   std::vector<KeyBlock> key_blocks;
   key_blocks.reserve(shared_blocks);
   for (int64_t c = 0; c < chunks; ++c)
     if (shared_offset[c] >= 0)
       for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t b = 0; b < blocks(c); ++b) key_blocks.push_back(KeyBlock{c, h, b});
-  auto shared_keys = [&](int64_t c, int64_t h) {  // (chunk, KV head)'s first transposed block
-    return kts + (shared_offset[c] + h * blocks(c)) * dim * kBlockPositions;
-  };
+        for (int64_t b = 0; b < blocks(c); ++b)
+          key_blocks.push_back(KeyBlock{c, h, b * kBlockPositions, shared_keys(c, h) + b * dim * kBlockPositions});
   std::vector<AttentionTask> tasks;
   for (int64_t c = 0, row = 0; c < chunks; row += length[c], ++c)
     for (int64_t j = 0; j < length[c]; j += tile)
@@ -694,12 +695,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     scratch.keys.resize(kBlockPositions);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < static_cast<int64_t>(key_blocks.size()); ++i) {
-      const auto [c, h, b] = key_blocks[i];
-      const int64_t position = b * kBlockPositions;
+      const auto [c, h, position, kt] = key_blocks[i];
       const int64_t n = std::min(kBlockPositions, first[c] + length[c] - position);
       paged_rows(ks + h * k_cache.stride(2), k_cache.stride(0), k_cache.stride(1), tables + c * max_pages, page_size,
                  position, n, scratch.keys.data());
-      float* kt = shared_keys(c, h) + b * dim * kBlockPositions;
       dim == 64 ? transpose_keys<64>(scratch.keys.data(), n, kt, kBlockPositions)
                 : transpose_keys<128>(scratch.keys.data(), n, kt, kBlockPositions);
     }  // (the loop's barrier: every block transposed before a task reads one)
