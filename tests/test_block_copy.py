@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -15,12 +18,20 @@ GEOMETRY = BlockGeometry(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4, 
 SHAPE = GEOMETRY.block_shape
 
 
+@contextmanager
+def slab_pool(slots: int) -> Iterator[SlabPool]:
+    pool = SlabPool.create(new_segment_name(), GEOMETRY.block_bytes, slots)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        pool.unlink()
+
+
 @pytest.fixture
 def shm():
-    pool = SlabPool.create(new_segment_name(), GEOMETRY.block_bytes, 3)
-    yield pool
-    pool.close()
-    pool.unlink()
+    with slab_pool(3) as pool:
+        yield pool
 
 
 def blocks_of(shm: SlabPool) -> torch.Tensor:
@@ -49,8 +60,7 @@ def test_host_copy_moves_one_block_exactly_both_ways(shm):
 def test_copies_shared_with_the_helper_land_exactly():
     """The L2 -> L1 copier drains with a helper thread, the two taking blocks in turn: each of 16 blocks lands in
     its own page, nothing is written before the drain, and the other pages stay untouched."""
-    shm = SlabPool.create(new_segment_name(), GEOMETRY.block_bytes, 16)
-    try:
+    with slab_pool(16) as shm:
         blocks = slab_blocks(shm.segment, GEOMETRY)
         blocks.copy_(torch.randn(blocks.shape).to(blocks.dtype))
         pool = KVPool(40, GEOMETRY)
@@ -63,9 +73,6 @@ def test_copies_shared_with_the_helper_land_exactly():
         assert all(torch.equal(pool.kv[page], blocks[slot]) for page, slot in zip(pages, range(16)))
         assert not pool.kv[[p for p in range(40) if p not in pages]].any()
         del blocks
-    finally:
-        shm.close()
-        shm.unlink()
 
 
 @pytest.mark.gpu
