@@ -235,3 +235,60 @@ def test_a_fused_layer_gives_the_layer_by_layer_bits(tmp_path, tokenizer, family
     (fused_logits, fused_kv), (logits, kv) = results
     assert torch.equal(fused_logits, logits)
     assert torch.equal(fused_kv, kv)
+
+
+def test_the_last_fused_layer_taking_only_the_logits_rows_gives_their_bits(tmp_path, tokenizer):
+    """A step's forward with logits for some rows (the last rows of prefill chunks, a decode row, a run of scored
+    rows) runs the fused last layer on those rows alone: their logits and every row's K/V are those of the
+    layer-by-layer forward, bit for bit."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=2)
+    model_dir = save_tiny_model(tmp_path / "llama", config, tokenizer)
+    lengths, starts = [37, 1, 20], [0, 44, 70]  # (position, length) of three sequences' chunks in one step
+    ids = torch.randint(3, len(tokenizer), (sum(lengths),))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    contexts = [torch.randint(3, len(tokenizer), (start,)) for start in starts]
+    logits_rows = torch.tensor([36, 37, 50, 51, 52, 57])  # chunk ends, the decode row, a run inside the third
+    results = []
+    for fused in (True, False):
+        engine = make_engine(model_dir, page_size=16)
+        engine.model.fused_layers = fused
+        chunks = []
+        for i, (start, length) in enumerate(zip(starts, lengths)):
+            engine.pool.ensure_capacity(f"seq{i}", start + length)
+            if start:  # a cached context the chunk attends to
+                context = Chunk(engine.pool.block_table(f"seq{i}"), 0, start)
+                engine.model(contexts[i], torch.arange(start), engine.backend.prepare([context]),
+                             torch.tensor([start - 1]))
+            chunks.append(Chunk(engine.pool.block_table(f"seq{i}"), start, length))
+        logits = engine.model(ids, positions, engine.backend.prepare(chunks), logits_rows)
+        results.append((logits, engine.pool.kv.clone()))
+    (fused_logits, fused_kv), (logits, kv) = results
+    assert fused_logits.shape == (len(logits_rows), len(tokenizer))
+    assert torch.equal(fused_logits, logits)
+    assert torch.equal(fused_kv, kv)
+
+
+def test_decoder_layer_refuses_rows_out_of_order_or_past_the_step():
+    layer = torch.ops.radixserve.decoder_layer
+    with pytest.raises(RuntimeError, match="strictly increasing"):
+        _one_layer_with_rows(layer, torch.tensor([3, 2]))
+    with pytest.raises(RuntimeError, match="strictly increasing"):
+        _one_layer_with_rows(layer, torch.tensor([4]))
+
+
+def _one_layer_with_rows(layer, rows: torch.Tensor) -> torch.Tensor:
+    """A 4-token chunk at position 0 of a 1-page cache through a random 64-wide layer, going on with `rows`."""
+    tokens, width, heads, dim, inner = 4, 64, 1, 64, 128
+    pack = ops().pack_linear_weight
+    cache = torch.zeros(1, 16, 1, dim)
+    positions = torch.arange(tokens)
+    return layer(torch.randn(tokens, width), torch.randn(tokens, width), pack(torch.randn(3 * dim, width)), None,
+                 pack(torch.randn(width, dim)), None, torch.ones(width),
+                 ops().pack_gate_up_weight(torch.randn(2 * inner, width)), None, pack(torch.randn(width, inner)),
+                 None, torch.ones(width), 1e-5, torch.ones(16, dim), torch.zeros(16, dim), positions, heads, cache,
+                 cache.clone(), torch.zeros(tokens, dtype=torch.long), positions, torch.zeros(1, 1, dtype=torch.long),
+                 torch.tensor([0]), torch.tensor([tokens]), 0.125, rows)

@@ -988,12 +988,50 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
+// The attention chunks of some rows of a step: each run of consecutive `rows` within one chunk (a chunk's rows follow
+// the chunk before's, `lengths` long) is a chunk of its own over the same pages, starting at its first row's position.
+struct RowChunks {
+  at::Tensor block_tables, starts, lengths;
+};
+
+RowChunks row_chunks(const at::Tensor& rows, int64_t tokens, const at::Tensor& block_tables, const at::Tensor& starts,
+                     const at::Tensor& lengths) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.device().is_cpu(),
+              "rows must be contiguous int64 [N] on the CPU");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  std::vector<int64_t> chunk_of_run, run_start, run_length;
+  for (int64_t i = 0, c = 0, chunk_row = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < tokens && (i == 0 || row[i] > row[i - 1]),
+                "rows must be strictly increasing rows of the step");
+    while (c < lengths.numel() && row[i] >= chunk_row + length[c]) chunk_row += length[c++];
+    TORCH_CHECK(c < lengths.numel(), "rows past the chunks' rows");
+    if (i > 0 && row[i] == row[i - 1] + 1 && chunk_of_run.back() == c) {
+      ++run_length.back();
+    } else {
+      chunk_of_run.push_back(c);
+      run_start.push_back(first[c] + row[i] - chunk_row);
+      run_length.push_back(1);
+    }
+  }
+  auto as_tensor = [](const std::vector<int64_t>& values) {
+    return at::tensor(at::ArrayRef<int64_t>(values), at::TensorOptions().dtype(at::kLong));
+  };
+  return RowChunks{block_tables.index_select(0, as_tensor(chunk_of_run)).contiguous(), as_tensor(run_start),
+                   as_tensor(run_length)};
+}
+
 // One Llama decoder layer, the ops above in the order of model_worker.model's layer, so bit for bit its result
 // (one call a layer instead of ~25 Python-level ones):
 //   qkv = linear(hidden) [+ bias]; RoPE on the q and k heads; the new K/V into the layer's pages; attention;
 //   x = linear(attention) [+ bias]; residual += x; x = post_norm(residual);
 //   x = down(gate_up_silu(x)); residual += x; x = next_norm(residual).
 // hidden [T, hidden] is the layer's normed input; returns x (the next sublayer's input) and updates residual.
+// With `rows` (strictly increasing row indices), every row's K/V is written but only those rows go on past it:
+// their attention, projections and norms, bit for bit theirs in the full layer (each row computed alone), and x is
+// [len(rows), hidden] in their order. The model's last layer takes only its logits rows: a 2,048-token prefill
+// computes one row's attention and MLP there instead of 2,048. residual is then left as it was.
 at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at::Tensor& qkv_packed,
                          const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_packed,
                          const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
@@ -1003,7 +1041,7 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at
                          const at::Tensor& positions, int64_t num_heads, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& write_pages, const at::Tensor& write_offsets,
                          const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lengths,
-                         double scale) {
+                         double scale, const c10::optional<at::Tensor>& rows) {
   const int64_t tokens = hidden.size(0), width = residual.size(1);
   const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), rotated = num_heads + kv_heads;
   auto qkv = linear(hidden, qkv_packed, (rotated + kv_heads) * dim, qkv_bias, true)
@@ -1011,8 +1049,16 @@ at::Tensor decoder_layer(const at::Tensor& hidden, at::Tensor residual, const at
   rope_(qkv, cos, sin, positions, rotated);
   write_kv(qkv.narrow(1, num_heads, kv_heads), qkv.narrow(1, rotated, kv_heads), k_cache, v_cache, write_pages,
            write_offsets);
-  auto attention = paged_attention(qkv.narrow(1, 0, num_heads), k_cache, v_cache, block_tables, starts, lengths,
-                                   scale, true);
+  at::Tensor attention;
+  if (rows.has_value() && rows->defined()) {
+    const RowChunks picked = row_chunks(*rows, tokens, block_tables, starts, lengths);
+    attention = paged_attention(qkv.narrow(1, 0, num_heads).index_select(0, *rows), k_cache, v_cache,
+                                picked.block_tables, picked.starts, picked.lengths, scale, true);
+    residual = residual.index_select(0, *rows);  // a copy: the caller's residual stays as it was
+  } else {
+    attention = paged_attention(qkv.narrow(1, 0, num_heads), k_cache, v_cache, block_tables, starts, lengths, scale,
+                                true);
+  }
   auto x = linear(attention, o_packed, width, o_bias, true);
   add_rms_norm_(x, residual, post_norm, eps);
   x = linear(gate_up_silu(x, gate_up_packed, down_packed.size(1), gate_up_bias, true), down_packed, width, down_bias,
@@ -1038,5 +1084,5 @@ TORCH_LIBRARY(radixserve, m) {
         "Tensor? o_bias, Tensor post_norm, Tensor gate_up_packed, Tensor? gate_up_bias, Tensor down_packed, "
         "Tensor? down_bias, Tensor next_norm, float eps, Tensor cos, Tensor sin, Tensor positions, int num_heads, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_pages, Tensor write_offsets, Tensor block_tables, "
-        "Tensor starts, Tensor lengths, float scale) -> Tensor", &decoder_layer);
+        "Tensor starts, Tensor lengths, float scale, Tensor? rows=None) -> Tensor", &decoder_layer);
 }
