@@ -9,7 +9,13 @@ Per step (`schedule`):
      step of 4 costs about one of 1; the quick-suite's 4 x 256-token prompts fit one step, not two);
   3. waiting sequences are admitted first-come first-served while the token budget, `max_running_requests` (a
      request of n samples counts n) and the page reservation allow; admission stops at the first that does not
-     fit (no overtaking).
+     fit (no overtaking). None is admitted while every running sequence is decoding its last
+     `FINISHING_STEPS` tokens: they wait those few decode steps and start together with the sequences that take
+     the finishing ones' places, instead of stalling the finishing ones' last tokens behind their prefill. A
+     closed loop whose requests fell one step apart (one reached the worker past the arrival window) thus
+     prefills its next round in one step and decodes it in lock step again; admitted at once, the late one's
+     successor prefilled beside the others' decodes in every later round (quick-suite no-reuse workload: 27 ms
+     between tokens in such runs against 21.5 in lock step).
 
 Page reservation: a running sequence may need `pages_for(max_tokens - 1)` pages by its end (the last sampled token
 is never fed back); one still to fork `forks` more samples needs that many times more, less the full prompt pages
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
 
 
 PEAK_HORIZON_S = 1.0  # longer than a closed-loop round trip between two rounds, short enough to forget a burst
+FINISHING_STEPS = 2  # a decode step here is ~20 ms at 4 rows, a prefill chunk beside it 150-500 ms
 
 
 @dataclass(eq=False)
@@ -165,15 +172,18 @@ class Scheduler:
             if budget > 0 and seq.num_computed < seq.prompt_len:
                 prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))
                 budget -= prefills[-1].length
-        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+        finishing = bool(self.running) and not prefills and all(
+            s.max_tokens - len(s.token_ids) <= FINISHING_STEPS for s in self.running)
+        while budget > 0 and self.waiting and not finishing and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             self.running.append(seq)
             self.admitted, self.admitted_blocked = self.admitted + 1, self.admitted_blocked + seq.blocked
             seq.num_computed = self.prefix.attach(seq.key, seq.reusable, seq.cache)
             prefills.append(chunk_of(seq, min(budget, seq.prompt_len - seq.num_computed)))
             budget -= prefills[-1].length
-        for seq in self.waiting:
-            seq.blocked = True
+        if not finishing:  # room, not timing, held them back
+            for seq in self.waiting:
+                seq.blocked = True
         chunks = prefills + decodes
         if len(self.running) >= self.recent_peak():
             self._peak = (len(self.running), time.perf_counter())

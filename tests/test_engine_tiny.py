@@ -9,6 +9,7 @@ import torch
 from model_worker.config import DType, EngineConfig
 from model_worker.engine import Engine, resolve_dtype
 from model_worker.request import RequestOutput, SamplingParams
+from model_worker.scheduler import FINISHING_STEPS
 from radixserve.launch import wait_for
 from tests.engine_helpers import GREEDY, make_engine, prefill_logits, run_until_idle
 
@@ -137,6 +138,36 @@ def test_a_step_with_nothing_to_decode_prefills_up_to_max_prefill_tokens(tiny_ll
     engine.step()  # the first decodes: at most 8 prompt tokens beside it
     assert len(first) == 2 and not second
     assert [s.num_computed for s in engine.scheduler.running] == [21, 18]
+    run_until_idle(engine)
+
+
+def test_newcomers_wait_for_sequences_decoding_their_last_tokens_then_start_together(tiny_llama_dir):
+    """A closed loop's round fell one step apart: `ahead` finished, and its successor arrives while `behind` decodes
+    its last token. The successor waits that step (not counted as blocked: room did not hold it back), then both
+    successors prefill in one step and decode in lock step. A newcomer beside a sequence with more than
+    FINISHING_STEPS tokens to go is admitted at once."""
+    engine = make_engine(tiny_llama_dir)
+    ahead = collect(engine, "ahead", PROMPTS[0], GREEDY)
+    engine.step()
+    behind = collect(engine, "behind", PROMPTS[1], GREEDY)
+    while not finished(ahead):
+        engine.step()
+    assert GREEDY.max_new_tokens - len(behind) == 1 <= FINISHING_STEPS
+    order: list[str] = []
+    add_in_order(engine, order, "after-ahead", PROMPTS[2])
+    engine.step()
+    assert finished(behind) and not order
+    assert engine.scheduler.waiting and not engine.scheduler.waiting[0].blocked
+    add_in_order(engine, order, "after-behind", PROMPTS[3])
+    run_until_idle(engine)
+    assert order == ["after-ahead", "after-behind"] * GREEDY.max_new_tokens
+    assert engine.scheduler.admitted_blocked == 0
+
+    running = collect(engine, "running", PROMPTS[0], GREEDY)
+    engine.step()
+    newcomer = collect(engine, "newcomer", PROMPTS[1], GREEDY)
+    engine.step()
+    assert len(newcomer) == 1 and len(running) == 2
     run_until_idle(engine)
 
 
