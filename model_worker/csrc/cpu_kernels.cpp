@@ -752,6 +752,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 constexpr int64_t kPanel = 16;      // output columns of a packed panel
 constexpr int64_t kRowBlock = 192;  // rows whose activations stay in the cache while a group of panels passes
+constexpr int64_t kStreamingRows = 8;  // up to this many rows, a linear is bound by reading its weights (`multiply`)
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
@@ -917,11 +918,13 @@ void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k,
       // In a group's last row block of two tiles or more, each tile asks for its share of the next group's weights,
       // so that group's first tile does not wait on memory. A layer's projections at 48 rows, weights cache-cold, 3
       // alternating runs: 997-1,150 us before, 790-870 with (16 rows 635-666 and 504-516; 112 rows 4-8% faster); a
-      // hit of 2 x 24 tokens over 640 in the engine, 5 alternating runs: median 43-55 ms before, 39-47 with.
+      // hit of 2 x 24 tokens over 640 in the engine, 5 alternating runs: median 43-55 ms before, 39-47 with. Up to
+      // `kStreamingRows` rows (decode steps) the weights stream at memory speed without it, and asking ahead was
+      // slower (8 rows: 450-502 us a layer without, 495-531 with; 12 rows: 554-637 without, 367-521 with).
       const int64_t tiles = (m1 - m0 + Tiles::kTileRows - 1) / Tiles::kTileRows;
-      const int64_t next_p0 = p0 + step, next_lines = m1 == m && tiles >= 2 && next_p0 < panels
-                                                          ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / 16
-                                                          : 0;
+      const int64_t next_p0 = p0 + step;
+      const bool ahead = m1 == m && m > kStreamingRows && tiles >= 2 && next_p0 < panels;
+      const int64_t next_lines = ahead ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / 16 : 0;
       const char* next = reinterpret_cast<const char*>(b + next_p0 * k * kPanel);
       for (int64_t r = m0; r < m1; r += Tiles::kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(Tiles::kTileRows, m1 - r));
