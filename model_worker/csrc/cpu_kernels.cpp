@@ -23,6 +23,8 @@
 namespace {
 
 constexpr int64_t kLanes = 8;
+constexpr int64_t kCacheLine = 64;  // bytes
+constexpr int64_t kLineFloats = kCacheLine / sizeof(float);
 
 // Lanes [0, n) of a vector set, the rest clear: loads and stores of a row's last, partial vector.
 inline __m256i lane_mask(int64_t n) {
@@ -516,14 +518,17 @@ struct AttentionTask {
   const float* kt;
 };
 
-// rows[t] = the row of position first + t (t < count) of paged rows: base + table[p / page_size] * page_stride +
-// (p % page_size) * token_stride.
+// The row of `position` of paged rows: base + table[position / page_size] * page_stride + (position % page_size) *
+// token_stride.
+inline const float* paged_row(const float* base, int64_t page_stride, int64_t token_stride, const int64_t* table,
+                              int64_t page_size, int64_t position) {
+  return base + table[position / page_size] * page_stride + (position % page_size) * token_stride;
+}
+
+// rows[t] = the row of position first + t (t < count) of paged rows (`paged_row`).
 inline void paged_rows(const float* base, int64_t page_stride, int64_t token_stride, const int64_t* table,
                        int64_t page_size, int64_t first, int64_t count, const float** rows) {
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t position = first + t;
-    rows[t] = base + table[position / page_size] * page_stride + (position % page_size) * token_stride;
-  }
+  for (int64_t t = 0; t < count; ++t) rows[t] = paged_row(base, page_stride, token_stride, table, page_size, first + t);
 }
 
 // Asks the L2 cache for the rows of positions [first, first + count) of paged rows (as `paged_rows` finds them), DIM
@@ -535,10 +540,9 @@ template <int DIM>
 inline void prefetch_paged_rows(const float* base, int64_t page_stride, int64_t token_stride, const int64_t* table,
                                 int64_t page_size, int64_t first, int64_t count) {
   for (int64_t t = 0; t < count; ++t) {
-    const int64_t position = first + t;
-    const char* row = reinterpret_cast<const char*>(base + table[position / page_size] * page_stride +
-                                                    (position % page_size) * token_stride);
-    for (int64_t byte = 0; byte < DIM * static_cast<int64_t>(sizeof(float)); byte += 64)
+    const char* row = reinterpret_cast<const char*>(
+        paged_row(base, page_stride, token_stride, table, page_size, first + t));
+    for (int64_t byte = 0; byte < DIM * static_cast<int64_t>(sizeof(float)); byte += kCacheLine)
       _mm_prefetch(row + byte, _MM_HINT_T1);
   }
 }
@@ -791,19 +795,25 @@ inline void linear_tile(const float* a, int64_t lda, const float* b, int64_t k_t
     for (int v = 0; v < 2 * P; ++v) _mm256_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-// The same chains 16 lanes at a time (one vector a panel); asks the cache for `ahead_lines` cache lines from `ahead`
-// on the way, one every k (see `multiply`).
+// Cache lines a tile asks for on the way, one every k: the next group's weights, a share of them per tile
+// (`multiply`).
+struct Ahead {
+  const char* lines = nullptr;
+  int64_t count = 0;
+};
+
+// The same chains 16 lanes at a time (one vector a panel), asking for `ahead` on the way.
 template <int R, int P>
 __attribute__((target("avx512f"))) inline void linear_tile_avx512(const float* a, int64_t lda, const float* b,
                                                                   int64_t k_total, float* c, int64_t ldc,
-                                                                  const char* ahead, int64_t ahead_lines) {
+                                                                  const Ahead& ahead) {
   __m512 acc[R][P];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_total; ++k) {
-    if (k < ahead_lines) _mm_prefetch(ahead + k * 64, _MM_HINT_T0);
+    if (k < ahead.count) _mm_prefetch(ahead.lines + k * kCacheLine, _MM_HINT_T0);
     __m512 w[P];
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) w[p] = _mm512_loadu_ps(b + (p * k_total + k) * kPanel);
@@ -819,12 +829,6 @@ __attribute__((target("avx512f"))) inline void linear_tile_avx512(const float* a
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * ldc + p * kPanel, acc[r][p]);
 }
-
-// Cache lines a tile asks for on the way: the next group's weights, a share of them per tile (`multiply`).
-struct Ahead {
-  const char* lines = nullptr;
-  int64_t count = 0;
-};
 
 // Tiles::tile<R, P> for the run-time row count `rows` (1 to R): the tiles keep their rows in registers, so the row
 // count is a template argument.
@@ -854,7 +858,7 @@ struct Avx512Tiles {
   template <int R, int P>
   __attribute__((target("avx512f"))) static void tile(const float* a, int64_t lda, const float* b, int64_t k,
                                                        float* c, int64_t ldc, const Ahead& ahead) {
-    linear_tile_avx512<R, P>(a, lda, b, k, c, ldc, ahead.lines, ahead.count);
+    linear_tile_avx512<R, P>(a, lda, b, k, c, ldc, ahead);
   }
 };
 // 8 rows x 2 panels, or 6 x 4 for a wide weight or more than one row block (a layer's projections at 1,024 rows:
@@ -923,15 +927,16 @@ void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k,
       // slower (8 rows: 450-502 us a layer without, 495-531 with; 12 rows: 554-637 without, 367-521 with).
       const int64_t tiles = (m1 - m0 + Tiles::kTileRows - 1) / Tiles::kTileRows;
       const int64_t next_p0 = p0 + step;
-      const bool ahead = m1 == m && m > kStreamingRows && tiles >= 2 && next_p0 < panels;
-      const int64_t next_lines = ahead ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / 16 : 0;
+      const bool look_ahead = m1 == m && m > kStreamingRows && tiles >= 2 && next_p0 < panels;
+      const int64_t next_lines = look_ahead ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / kLineFloats : 0;
       const char* next = reinterpret_cast<const char*>(b + next_p0 * k * kPanel);
       for (int64_t r = m0; r < m1; r += Tiles::kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(Tiles::kTileRows, m1 - r));
         const float* ar = a + r * lda;
         const float* bp = b + p0 * k * kPanel;
         const int64_t share = (next_lines + tiles - 1) / tiles, first_line = (r - m0) / Tiles::kTileRows * share;
-        const Ahead ahead{next + first_line * 64, std::max<int64_t>(0, std::min(share, next_lines - first_line))};
+        const Ahead ahead{next + first_line * kCacheLine,
+                          std::max<int64_t>(0, std::min(share, next_lines - first_line))};
         if constexpr (kSiluMul) {
           alignas(64) float tile[Tiles::kTileRows * 4 * kPanel];
           multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, tile, spans * kPanel, ahead);
