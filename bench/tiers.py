@@ -26,6 +26,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -142,6 +143,15 @@ def _wait(what: str, condition, timeout_s: float = 60) -> None:
         time.sleep(0.1)
 
 
+def _into_l3(kvcached: str, cache: Callable[[], int]) -> None:
+    """Runs `cache()`, which caches a prefix's blocks and returns how many, and waits until L3 holds them. One prefix
+    at a time: the L3 write queue (256 MB) drops blocks queued faster than the writer, on idle cores, stores them
+    (three prefixes of 1,888 tokens queued at once, 261 MB, lost blocks that way), and those never reach the disk."""
+    on_disk = _stats(kvcached).disk.blocks
+    blocks = cache()
+    _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + blocks)
+
+
 def _restart(services: LocalServices, workers: list[str], args: list[str] = ()) -> None:
     """SIGTERM kvcached (it flushes L3), start a new one on the same port and disk (its L2 starts empty), then wait
     for the workers' heartbeat to re-register their namespace. As tests/test_e2e_l3.py does."""
@@ -157,12 +167,12 @@ def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: di
          reps: int = 3, prompt_tokens: int = 2000, prefix_tokens: int = 1900) -> list[Row]:
     prefix_pages = prefix_tokens // PAGE
     prompts = [_ids(rng, prompt_tokens) for _ in range(reps)]
-    for prompt in prompts:  # worker A computes each prefix; write_through queues its blocks for L3 at once
-        on_disk = _stats(kvcached).disk.blocks
+    def compute(prompt: list[int]) -> int:  # worker A; write_through queues its blocks for L3 at once
         _generate(routers["warm"], prompt[:prefix_tokens])
-        # One prefix at a time: 3 prefixes queued at once are 261 MB, past the L3 write queue's 256 MB when the
-        # writer, on idle cores while worker A computes, falls behind; the blocks it drops never reach the disk.
-        _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + prefix_pages)
+        return prefix_pages
+
+    for prompt in prompts:
+        _into_l3(kvcached, lambda: compute(prompt))
     _restart(services, workers)
     cold, l3, waits = [], [], []
     for rep, prompt in enumerate(prompts):
@@ -227,10 +237,7 @@ def mixed(services: LocalServices, kvcached: str, workers: list[str], fingerprin
     with grpc.insecure_channel(kvcached) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         for prefix in (p for ps in prefixes.values() for p in ps):
-            on_disk = _stats(kvcached).disk.blocks
-            inserted = _commit(stub, fingerprint, prefix)
-            # one prefix at a time: the L3 write queue (256 MB) would drop blocks queued faster than LMDB writes
-            _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + inserted)
+            _into_l3(kvcached, lambda: _commit(stub, fingerprint, prefix))
     _restart(services, workers, ["--l3-read-delay-ms", str(READ_DELAY_MS)])
     rows, baseline = [], {}
     for policy in POLICIES:
