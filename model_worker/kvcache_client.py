@@ -162,8 +162,10 @@ class KVCacheClient:
         return True
 
     def _attach(self, segment_name: str, num_slots: int) -> None:
+        # Not populated here: kvcached populates the pool, and reads of its pages fault in 16 at a time (fault-around):
+        # a 74 MB copy out of an unmapped range took 23 instead of 19 ms. Populating a worker's mapping of a restarted
+        # kvcached's 1.5 GB segment took 0.5 s of CPU, beside the first hits (docs/design.md section 9).
         segment = SlabSegment.attach(segment_name, self._geometry.block_bytes, num_slots)
-        segment.populate_in_background()  # the first copies out of L2 run at memory speed
         blocks = slab_blocks(segment, self._geometry)
         self._block_copy.pin(blocks)
         self._retire()
