@@ -9,7 +9,10 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -744,6 +747,45 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// -- sharing items among the threads -----------------------------------------------------------------------------
+// Runs item(i) once for each i in [0, count) on up to at::get_num_threads() OpenMP threads: thread t first takes
+// its own contiguous share in order (the weights of a linear's panel groups stream as with a static split), and a
+// thread that runs out takes the last items of the others' shares one by one. A thread the host preempts (another
+// process of the stack, 5% of a core) then holds up only the item it is on, not its whole share behind a barrier:
+// with a process busy 2 ms every 10 ms beside the engine (in process, 4 alternating runs), a decode step's forward
+// took 4.1-5.9 ms longer with the static split and 1.0-4.1 ms with shares, a hit of 2 x 24 tokens over 640 7-10 ms
+// and 3.5-7.5 ms. The stack's 4-row decode, 2 alternating runs: 23-38 ms between tokens before, 19-27 after.
+template <typename Item>
+void share_items(int64_t count, const Item& item) {
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
+  if (threads == 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < count; ++i) item(i);
+    return;
+  }
+  // A share's next item (low 32 bits) and its end (high 32 bits), in one word so that its owner taking the front and
+  // another thread taking the back never take the same item.
+  std::vector<std::atomic<uint64_t>> shares(threads);
+  for (int t = 0; t < threads; ++t)
+    shares[t].store(static_cast<uint64_t>(count * (t + 1) / threads) << 32 | static_cast<uint64_t>(count * t / threads));
+  auto take = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
+    uint64_t word = share.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t next = word & 0xFFFFFFFFu, end = word >> 32;
+      if (next >= end) return -1;
+      const uint64_t taken = front ? word + 1 : (end - 1) << 32 | next;
+      if (share.compare_exchange_weak(word, taken, std::memory_order_relaxed))
+        return static_cast<int64_t>(front ? next : end - 1);
+    }
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const int self = omp_get_thread_num();
+    for (int64_t i; (i = take(shares[self], true)) >= 0;) item(i);
+    for (int other = 1; other < threads; ++other)
+      for (int64_t i; (i = take(shares[(self + other) % threads], false)) >= 0;) item(i);
+  }
+}
+
 // -- linear layers -----------------------------------------------------------------------------------------------
 // out = x w^T + bias with w packed once (`pack_linear_weight`) into panels of 16 output columns, [panels][K][16].
 // Every output element is one FMA chain over k = 0 .. K-1 in order, from +0, whatever the row count, the tile it
@@ -902,8 +944,9 @@ void silu_epilogue(const float* tile, int rows, int64_t pairs, const float* gate
   }
 }
 
-// The threads share out (group of panels, block of rows) items, group by group: a thread's groups of weights stay
-// in its cache over the row blocks, and each item passes all its block's rows (one block at 192 rows or fewer).
+// The threads share out (group of panels, block of rows) items, group by group (`share_items`): a thread's groups of
+// weights stay in its cache over the row blocks, and each item passes all its block's rows (one block at 192 rows or
+// fewer).
 // kSiluMul: b is `pack_gate_up_weight`'s (gate and up panels alternate), groups hold whole pairs, and each tile goes
 // through `silu_epilogue` into c (panels / 2 panels wide) instead of straight into c (panels wide); bias then holds
 // the gate biases, then the up biases, each padded to panels / 2 panels.
@@ -915,38 +958,36 @@ void multiply(const float* a, int64_t lda, int64_t m, const float* b, int64_t k,
   const int64_t groups = (panels + step - 1) / step, out_panels = kSiluMul ? panels / 2 : panels;
   const int64_t width = out_panels * kPanel;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks * groups, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i % blocks * kRowBlock, m1 = std::min(m, m0 + kRowBlock);
-      const int64_t g = i / blocks, p0 = g * step, spans = std::min<int64_t>(step, panels - p0);
-      // In a group's last row block of two tiles or more, each tile asks for its share of the next group's weights,
-      // so that group's first tile does not wait on memory. A layer's projections at 48 rows, weights cache-cold, 3
-      // alternating runs: 997-1,150 us before, 790-870 with (16 rows 635-666 and 504-516; 112 rows 4-8% faster); a
-      // hit of 2 x 24 tokens over 640 in the engine, 5 alternating runs: median 43-55 ms before, 39-47 with. Up to
-      // `kStreamingRows` rows (decode steps) the weights stream at memory speed without it, and asking ahead was
-      // slower (8 rows: 450-502 us a layer without, 495-531 with; 12 rows: 554-637 without, 367-521 with).
-      const int64_t tiles = (m1 - m0 + Tiles::kTileRows - 1) / Tiles::kTileRows;
-      const int64_t next_p0 = p0 + step;
-      const bool look_ahead = m1 == m && m > kStreamingRows && tiles >= 2 && next_p0 < panels;
-      const int64_t next_lines = look_ahead ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / kLineFloats : 0;
-      const char* next = reinterpret_cast<const char*>(b + next_p0 * k * kPanel);
-      for (int64_t r = m0; r < m1; r += Tiles::kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(Tiles::kTileRows, m1 - r));
-        const float* ar = a + r * lda;
-        const float* bp = b + p0 * k * kPanel;
-        const int64_t share = (next_lines + tiles - 1) / tiles, first_line = (r - m0) / Tiles::kTileRows * share;
-        const Ahead ahead{next + first_line * kCacheLine,
-                          std::max<int64_t>(0, std::min(share, next_lines - first_line))};
-        if constexpr (kSiluMul) {
-          alignas(64) float tile[Tiles::kTileRows * 4 * kPanel];
-          multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, tile, spans * kPanel, ahead);
-          const int64_t pair0 = p0 / 2;
-          silu_epilogue(tile, rows, spans / 2, bias == nullptr ? nullptr : bias + pair0 * kPanel,
-                        bias == nullptr ? nullptr : bias + (out_panels + pair0) * kPanel,
-                        c + r * width + pair0 * kPanel, width);
-        } else {
-          multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, c + r * width + p0 * kPanel, width, ahead);
-        }
+  share_items(blocks * groups, [&](int64_t i) {
+    const int64_t m0 = i % blocks * kRowBlock, m1 = std::min(m, m0 + kRowBlock);
+    const int64_t g = i / blocks, p0 = g * step, spans = std::min<int64_t>(step, panels - p0);
+    // In a group's last row block of two tiles or more, each tile asks for its share of the next group's weights,
+    // so that group's first tile does not wait on memory. A layer's projections at 48 rows, weights cache-cold, 3
+    // alternating runs: 997-1,150 us before, 790-870 with (16 rows 635-666 and 504-516; 112 rows 4-8% faster); a
+    // hit of 2 x 24 tokens over 640 in the engine, 5 alternating runs: median 43-55 ms before, 39-47 with. Up to
+    // `kStreamingRows` rows (decode steps) the weights stream at memory speed without it, and asking ahead was
+    // slower (8 rows: 450-502 us a layer without, 495-531 with; 12 rows: 554-637 without, 367-521 with).
+    const int64_t tiles = (m1 - m0 + Tiles::kTileRows - 1) / Tiles::kTileRows;
+    const int64_t next_p0 = p0 + step;
+    const bool look_ahead = m1 == m && m > kStreamingRows && tiles >= 2 && next_p0 < panels;
+    const int64_t next_lines = look_ahead ? std::min<int64_t>(step, panels - next_p0) * k * kPanel / kLineFloats : 0;
+    const char* next = reinterpret_cast<const char*>(b + next_p0 * k * kPanel);
+    for (int64_t r = m0; r < m1; r += Tiles::kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(Tiles::kTileRows, m1 - r));
+      const float* ar = a + r * lda;
+      const float* bp = b + p0 * k * kPanel;
+      const int64_t share = (next_lines + tiles - 1) / tiles, first_line = (r - m0) / Tiles::kTileRows * share;
+      const Ahead ahead{next + first_line * kCacheLine,
+                        std::max<int64_t>(0, std::min(share, next_lines - first_line))};
+      if constexpr (kSiluMul) {
+        alignas(64) float tile[Tiles::kTileRows * 4 * kPanel];
+        multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, tile, spans * kPanel, ahead);
+        const int64_t pair0 = p0 / 2;
+        silu_epilogue(tile, rows, spans / 2, bias == nullptr ? nullptr : bias + pair0 * kPanel,
+                      bias == nullptr ? nullptr : bias + (out_panels + pair0) * kPanel,
+                      c + r * width + pair0 * kPanel, width);
+      } else {
+        multiply_tile<Tiles>(rows, ar, lda, bp, k, spans, group, c + r * width + p0 * kPanel, width, ahead);
       }
     }
   });
