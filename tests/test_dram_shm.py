@@ -192,8 +192,8 @@ def test_cleanup_without_shm_dir_is_a_no_op(tmp_path):
 
 
 def test_populating_faults_pages_in_without_changing_a_byte(pool):
-    """`SlabPool.create` already populates on a thread; a second pass, and one in a worker's mapping, keep every
-    byte written in between."""
+    """`SlabPool.create` already populates on a thread; a second pass, and one in another mapping of the segment
+    (workers attach without populating, but the method is the same), keep every byte written in between."""
     (slot,) = pool.allocate(1)
     pool.view(slot)[:4] = b"kv!!"
     pool.set_key(slot, b"k" * 16)

@@ -750,11 +750,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // -- sharing items among the threads -----------------------------------------------------------------------------
 // Runs item(i) once for each i in [0, count) on up to at::get_num_threads() OpenMP threads: thread t first takes
 // its own contiguous share in order (the weights of a linear's panel groups stream as with a static split), and a
-// thread that runs out takes the last items of the others' shares one by one. A thread the host preempts (another
-// process of the stack, 5% of a core) then holds up only the item it is on, not its whole share behind a barrier:
-// with a process busy 2 ms every 10 ms beside the engine (in process, 4 alternating runs), a decode step's forward
-// took 4.1-5.9 ms longer with the static split and 1.0-4.1 ms with shares, a hit of 2 x 24 tokens over 640 7-10 ms
-// and 3.5-7.5 ms. The stack's 4-row decode, 2 alternating runs: 23-38 ms between tokens before, 19-27 after.
+// thread that runs out takes the last items of the others' shares one by one. A thread the host preempts (the
+// stack's other processes took about a tenth of a core in a traced run) then holds up only the item it is on, not its
+// whole share behind a barrier: with a process busy 2 ms every 10 ms beside the engine (in process, 4 alternating
+// runs), a decode step's forward took 4.1-5.9 ms longer with the static split and 1.0-4.1 ms with shares, a hit of
+// 2 x 24 tokens over 640 7-10 ms and 3.5-7.5 ms. The stack's 4-row decode, 2 alternating runs: 22-38 ms between
+// tokens before, 19-27 after (docs/design.md section 9).
 template <typename Item>
 void share_items(int64_t count, const Item& item) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
