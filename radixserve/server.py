@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import inspect
 import json
 import logging
@@ -81,6 +82,19 @@ def keep_freed_memory() -> bool:
     set_ = [mallopt(param, value) for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
                                                        (_M_TRIM_THRESHOLD, KEEP_HEAP_BYTES))]
     return all(set_)
+
+
+def freeze_startup_heap() -> None:
+    """Collects once, then moves every object alive (modules, the tokenizer, the model's Python side, ...) to the
+    collector's permanent generation (`gc.freeze`), so later full collections walk only what serving created.
+
+    Why: a full collection walks every tracked object and holds the GIL throughout. After start-up a router or worker
+    tracks ~230k objects from its imports alone, and once serving, full collections (Python runs one whenever the
+    long-lived objects grew by a quarter) took 200-290 ms in routers and workers and 25 ms in kvcached, at random:
+    within a restarted L3 hit's prefetch (kvcached, 17 ms), its routing (router, 270 ms) or a forward (worker).
+    Frozen objects are still freed by reference counting; only cycles among them are never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 # The largest legitimate request is about 1 MiB: the router's default --max-input-chars, 262,144 characters, is at
@@ -279,7 +293,8 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
                 security: TransportSecurity = PLAINTEXT,
                 also_drain: Callable[[], Awaitable[None]] | None = None, traces_endpoint: str = "") -> None:
-    """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`.
+    """Hosts `services` until SIGTERM/SIGINT, then: health NOT_SERVING, stop with `grace_s`. What start-up left on
+    the heap is frozen before the first request (`freeze_startup_heap`).
 
     Health and reflection are always served. `components` are extra health names (e.g. a cache tier) whose status
     follows their check, polled every `COMPONENT_POLL_S`. `metrics_port` 0 turns the Prometheus endpoint off.
@@ -308,6 +323,7 @@ async def serve(name: str, host: str, port: int, metrics_port: int, services: It
         start_http_server(metrics_port, addr=host, certfile=security.tls_cert or None,
                           keyfile=security.tls_key or None, client_cafile=security.tls_ca or None,
                           client_auth_required=security.tls_client_auth)
+    freeze_startup_heap()
     await server.start()
     for service_name in ["", *(s.full_name for s in services)]:
         await _set_health(health_servicer, service_name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,4 +1,5 @@
-"""`radixserve.server.keep_freed_memory`: a service keeps the memory it frees instead of faulting it in again."""
+"""A service's process-wide memory settings (`radixserve.server`): it keeps the memory it frees instead of faulting it
+in again (`keep_freed_memory`), and its collector leaves what start-up created alone (`freeze_startup_heap`)."""
 
 import subprocess
 import sys
@@ -30,3 +31,27 @@ def returned_bytes(mode: str) -> int:
 def test_freed_memory_stays_in_the_process():
     assert returned_bytes("default") > 16 << 20  # glibc's default gives it back: the check can tell
     assert returned_bytes("keep") < 1 << 20
+
+
+FREEZE = """
+import gc
+from radixserve.server import freeze_startup_heap
+startup = [[] for _ in range(20_000)]  # like a service's modules and tokenizer: alive for good
+garbage = []
+garbage.append(garbage)  # a cycle nothing refers to
+del garbage
+before = len(gc.get_objects())
+freeze_startup_heap()
+later = [[]]  # created while serving
+walked = gc.get_objects()
+print(before, len(walked), any(o is startup for o in walked), any(o is later for o in walked), gc.get_freeze_count())
+"""
+
+
+def test_startup_heap_is_frozen_and_later_objects_are_still_collected():
+    run = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, timeout=60, check=True)
+    before, walked, startup_walked, later_walked, frozen = run.stdout.split()
+    assert int(before) > 20_000
+    assert int(walked) < 1_000  # a full collection walks only what came after
+    assert startup_walked == "False" and later_walked == "True"
+    assert int(frozen) > 20_000
