@@ -302,7 +302,6 @@ class Engine:
             for seq in self.scheduler.remove(request_id):
                 seq.finished = True
                 self._emit(seq, [], "", "abort")
-            self._send_commits()
 
     def load(self) -> Load:
         with self._cond:
@@ -320,20 +319,12 @@ class Engine:
 
     # -- stepping ----------------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Runs one forward over the next batch; False when there was nothing to run. One stepping thread only. The
-        L2 commits of the pages it cached go to the kvcached client once its outputs are out (`KVCacheClient`)."""
+        """Runs one forward over the next batch; False when there was nothing to run. One stepping thread only."""
         with self._cond:
             chunks = self.scheduler.schedule()
             if not chunks:
                 return False
             inputs = self._prepare_inputs(chunks)
-        try:
-            self._forward_and_process(chunks, inputs)
-        finally:
-            self._send_commits()
-        return True
-
-    def _forward_and_process(self, chunks: list[ScheduledChunk], inputs: tuple[torch.Tensor, ...]) -> None:
         try:
             logits = self.model(*inputs)
         except Exception:
@@ -343,14 +334,10 @@ class Engine:
                           extra={"requests": [c.seq.request_id for c in chunks]})
             for chunk in chunks:
                 self._step_alone(chunk)
-            return
+            return True
         with self._cond:
             self._process(chunks, logits)
-
-    def _send_commits(self) -> None:
-        if self.kvcache is not None:
-            with self._cond:
-                self.kvcache.send_commits()
+        return True
 
     def _step_alone(self, chunk: ScheduledChunk) -> None:
         """Runs one request's chunk by itself (its pages are allocated); a failure ends that request alone."""

@@ -17,15 +17,8 @@ Every allocation names the segment this worker registered, so after a kvcached r
 new daemon does not read (FAILED_PRECONDITION: the worker re-registers). A commit asks for at most
 `MAX_COMMIT_SLOTS` slots at a time, below kvcached's cap on one allocation.
 
-Commits wait for the step that made them: `commit` keeps a job and `send_commits` queues those kept, which the engine
-calls once a step's outputs are out (and after an abort). Sent at once, a prompt's commit (two RPCs and the copies
-on this thread) ran beside the sampling and sending of its first token. A restarted kvcached's L3 hit (112 new
-tokens over 1,888, `bench.tiers`' shape, traced), 12 hits each way in 4 alternating runs: TTFT median 150 ms
-(135-225) with the commits sent after the step, 160 (146-187) before.
-
-Threading contract: `l2_segment` is called by the engine thread; `release` and `send_commits` only enqueue; `commit`
-and `send_commits` are called under the engine's lock. The L1 pages of a commit job must stay unchanged until its
-`on_done` runs (the engine keeps them locked in its L1 index).
+Threading contract: `l2_segment` is called by the engine thread; `release`/`commit` only enqueue. The L1 pages of a
+commit job must stay unchanged until its `on_done` runs (the engine keeps them locked in its L1 index).
 """
 
 from __future__ import annotations
@@ -84,7 +77,6 @@ class KVCacheClient:
                  l1_kv: torch.Tensor, timeout_s: float, block_copy: HostBlockCopy):
         """`l1_kv` is the worker's page-first pool tensor; a block is one `l1_kv[page]`, moved by `block_copy`."""
         self._block_copy = block_copy
-        self._kept: list[tuple] = []  # commit jobs until `send_commits`
         self._stub = kvcache_pb2_grpc.KVCacheStub(open_channel(address, security))
         self._address = address
         self._fingerprint = fingerprint
@@ -124,14 +116,7 @@ class KVCacheClient:
         self._enqueue(("release", functools.partial(self._release, lease_id), None))
 
     def commit(self, job: CommitJob) -> None:
-        """Keeps `job` until `send_commits`."""
-        self._kept.append(("commit", functools.partial(self._commit, job), job.on_done))
-
-    def send_commits(self) -> None:
-        """Queues the commits kept since the last call, in order."""
-        kept, self._kept = self._kept, []
-        for job in kept:
-            self._enqueue(job)
+        self._enqueue(("commit", functools.partial(self._commit, job), job.on_done))
 
     def close(self) -> None:
         """Sends what is queued, stops the thread and unmaps the segment (the engine must be stopped first)."""
