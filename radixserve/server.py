@@ -89,10 +89,10 @@ def freeze_startup_heap() -> None:
     collector's permanent generation (`gc.freeze`), so later full collections walk only what serving created.
 
     Why: a full collection walks every tracked object and holds the GIL throughout. After start-up a router or worker
-    tracks ~230k objects from its imports alone, and once serving, full collections (Python runs one whenever the
-    long-lived objects grew by a quarter) took 200-290 ms in routers and workers and 25 ms in kvcached, at random:
-    within a restarted L3 hit's prefetch (kvcached, 17 ms), its routing (router, 270 ms) or a forward (worker).
-    Frozen objects are still freed by reference counting; only cycles among them are never collected."""
+    tracks ~230k objects from its imports alone, and while serving, full collections (Python runs one whenever the
+    long-lived objects grew by a quarter) took 200-290 ms in routers and workers and 17-25 ms in kvcached, at
+    random: inside a restarted L3 hit's routing (router, 270 ms) or its prefetch (kvcached, 17 ms; docs/design.md
+    section 9). Frozen objects are still freed by reference counting; only cycles among them are never collected."""
     gc.collect()
     gc.freeze()
 
