@@ -34,24 +34,32 @@ def test_freed_memory_stays_in_the_process():
 
 
 FREEZE = """
-import gc
+import gc, weakref
 from radixserve.server import freeze_startup_heap
+class Node:
+    pass
+def cycle():  # a garbage cycle: only the collector frees it
+    node = Node()
+    node.itself = node
+    return weakref.ref(node)
 startup = [[] for _ in range(20_000)]  # like a service's modules and tokenizer: alive for good
-garbage = []
-garbage.append(garbage)  # a cycle nothing refers to
-del garbage
+startup_garbage = cycle()
 before = len(gc.get_objects())
 freeze_startup_heap()
 later = [[]]  # created while serving
 walked = gc.get_objects()
-print(before, len(walked), any(o is startup for o in walked), any(o is later for o in walked), gc.get_freeze_count())
+later_garbage = cycle()
+gc.collect()
+print(before, len(walked), any(o is startup for o in walked), any(o is later for o in walked),
+      gc.get_freeze_count(), startup_garbage() is None, later_garbage() is None)
 """
 
 
-def test_startup_heap_is_frozen_and_later_objects_are_still_collected():
+def test_startup_heap_is_frozen_and_garbage_is_still_collected():
     run = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, timeout=60, check=True)
-    before, walked, startup_walked, later_walked, frozen = run.stdout.split()
+    before, walked, startup_walked, later_walked, frozen, startup_freed, later_freed = run.stdout.split()
     assert int(before) > 20_000
     assert int(walked) < 1_000  # a full collection walks only what came after
     assert startup_walked == "False" and later_walked == "True"
     assert int(frozen) > 20_000
+    assert startup_freed == later_freed == "True"  # garbage of start-up is not frozen, and later garbage goes
