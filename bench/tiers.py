@@ -145,8 +145,8 @@ def _wait(what: str, condition, timeout_s: float = 60) -> None:
 
 def _into_l3(kvcached: str, cache: Callable[[], int]) -> None:
     """Runs `cache()`, which caches a prefix's blocks and returns how many, and waits until L3 holds them. One prefix
-    at a time: the L3 write queue (256 MB) drops blocks queued faster than the writer, on idle cores, stores them
-    (three prefixes of 1,888 tokens queued at once, 261 MB, lost blocks that way), and those never reach the disk."""
+    at a time: the writer stores them on idle cores, and with the L3 write queue at 256 MB then, three prefixes of
+    1,888 tokens queued at once (261 MB) lost blocks that way: those never reach the disk."""
     on_disk = _stats(kvcached).disk.blocks
     blocks = cache()
     _wait("prefix in L3", lambda: _stats(kvcached).disk.blocks >= on_disk + blocks)

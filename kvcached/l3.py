@@ -120,27 +120,35 @@ class L3:
                 self._store(namespace, pool, hashes[i], hashes[i - 1] if i else None, slot)
 
     def evicted(self, namespace: str, pool: SlabPool, blocks: Sequence[EvictedBlock]) -> None:
-        """`blocks` leave L2; their slots are still intact."""
+        """`blocks` leave L2; their slots are still intact. A queued block among them, and every write-back block, now
+        waits for the writer in memory only: the writer is urged off idle cores (`DiskTier.urge`)."""
+        orphaned = False
         for block in blocks:
             if queued := self._queued.pop(block.block_hash, None):
                 queued.freeze()  # its slot is reused next: the writer copies these bytes instead
+                orphaned = True
             if self.policy is WritePolicy.WRITE_BACK:
-                self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot, evicting=True)
+                orphaned |= self._store(namespace, pool, block.block_hash, block.parent_hash, block.slot, evicting=True)
             self._hits.pop(block.block_hash, None)
+        if orphaned:
+            self.disk.urge()
 
     def _store(self, namespace: str, pool: SlabPool, block_hash: BlockHash, parent: BlockHash | None,
-               slot: int, evicting: bool = False) -> None:
+               slot: int, evicting: bool = False) -> bool:
+        """Queues the block for L3 unless it is there already or its slot does not vouch for it; whether it queued."""
         if block_hash in self._blocks or not self.disk.healthy:
-            return
+            return False
         if pool.segment.header(slot).key != block_hash:  # only bytes the index vouches for become durable
             self.unverified_blocks += 1
             log.error("a slot's header does not name the block stored from it; not writing it to L3",
                       extra={"slot": slot, "block": block_hash.hex()})
-            return
+            return False
         # Counted as stored at once: a read that races the writer is a miss, and a miss only costs a recompute.
         source = SlotSource(pool, slot, block_hash)
         if evicting:  # the slot is reused next
             source.freeze()
-        if self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, source):
-            self._blocks.add(block_hash)
-            self._queued[block_hash] = source
+        if not self.disk.put_async(namespace, block_hash, parent or ROOT_PARENT, source):
+            return False
+        self._blocks.add(block_hash)
+        self._queued[block_hash] = source
+        return True

@@ -124,6 +124,26 @@ def test_write_through_copies_a_slot_when_it_writes_it_or_when_l2_evicts_it_firs
     assert cache.l3.run_length(hashes, 0) == 1 and cache.l3.run_length(hashes, 2) == 1
 
 
+def test_only_a_block_that_leaves_l2_before_the_writer_reaches_it_urges_the_writer(disk, close_all, monkeypatch):
+    urges = []
+    monkeypatch.setattr(disk, "urge", lambda: urges.append(1))
+    cache = make_cache(disk, WritePolicy.WRITE_THROUGH)
+    close_all(cache)
+    commit(cache, toks(1, 2, 3))
+    assert stored(cache, disk) == 3
+    held = GatedSource()
+    assert disk.put_async(FP, BlockHash(bytes(range(16))), ROOT_PARENT, held)
+    try:
+        commit(cache, toks(4, 5))  # queued behind the held block
+        cache.allocate(FP, segment(cache), SLOTS - 2)  # 3 free: evicts the 3 older pages, already on disk
+        assert not urges
+        cache.allocate(FP, segment(cache), 2)  # evicts the queued two: their bytes now wait in memory
+        assert urges == [1]
+    finally:
+        held.gate.set()
+    assert stored(cache, disk) == 6
+
+
 def test_a_slot_whose_header_does_not_name_the_block_never_reaches_l3(disk, close_all):
     cache = make_cache(disk, WritePolicy.WRITE_BACK)
     close_all(cache)

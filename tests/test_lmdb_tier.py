@@ -17,6 +17,7 @@ from kvcached.tiers.lmdb_tier import (
     TierEvent,
     stored_bytes,
 )
+from kvcached.tiers import lmdb_tier
 from radixserve.priority import can_leave_idle
 from tests.kvcache_helpers import NS, N, key, parent, payload
 
@@ -211,6 +212,33 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
     release.set()  # blocks 1 to 6 are taken with backlogs of 6 N, 5 N, ... N
     assert tier.flush(timeout=10) and stored(tier) == set(range(7))
     assert policies == [os.SCHED_IDLE] + [os.SCHED_OTHER] * 4 + [os.SCHED_IDLE] * 2
+    tier.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
+def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monkeypatch):
+    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling for `URGE_S`."""
+    monkeypatch.setattr(lmdb_tier, "URGE_S", 0.3)
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
+    policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
+
+    def gated(puts):
+        if puts:  # not the flush's barrier
+            policies.append(os.sched_getscheduler(0))
+        entered.set()
+        release.wait(10)
+        write(puts)
+
+    monkeypatch.setattr(tier, "_write", gated)
+    assert tier.put_async(NS, key(0), parent(0), payload(0))
+    assert entered.wait(10)  # block 0 taken idle, with a backlog far under the bound
+    assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in (1, 2))
+    tier.urge()
+    release.set()  # blocks 1 and 2 are taken while urged
+    assert tier.flush(timeout=10)
+    time.sleep(0.4)  # the urge lapses
+    put(tier, 3)
+    assert policies == [os.SCHED_IDLE, os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]
     tier.close()
 
 

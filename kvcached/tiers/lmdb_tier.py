@@ -178,6 +178,7 @@ class _DropNamespace(NamedTuple):
     result: Future
 
 
+URGE_S = 1.0  # how long the writer stays off idle cores after `urge`
 _WAKE = object()  # a corrupt block awaits deletion
 _STOP = object()
 
@@ -185,14 +186,14 @@ _STOP = object()
 class DiskTier:
     """See the module docstring. Opening reads every header once to rebuild sizes and the LRU set."""
 
-    def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 256 << 20,
+    def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 1 << 30,
                  max_batch_blocks: int = 16, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
                  read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
         derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read (tests only). The
-        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes`
-        (`_run`)."""
+        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes`, or
+        when urged (`urge`, `_run`)."""
         if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0:
             raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive")
         self.path = os.fspath(path)
@@ -208,6 +209,7 @@ class DiskTier:
         self._doomed: dict[bytes, int] = {}  # corrupt keys the writer must delete -> stored size
         self._events: list[TierEvent] = []
         self._bytes_used = self._queued = 0
+        self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
         self._counts = dict.fromkeys(("reads", "misses", "bytes_read", "writes", "bytes_written", "corrupt_blocks",
                                       "dropped_writes", "evictions", "io_errors"), 0)
         self._healthy, self._closed = True, False
@@ -257,6 +259,11 @@ class DiskTier:
             return block_hash in self._lru
 
     # ---- control ------------------------------------------------------------------------------------------------
+
+    def urge(self) -> None:
+        """Some queued block has lost its other copy (L2 evicted it, and its bytes wait in memory until written): the
+        writer leaves idle cores for background priority, whatever its backlog, for the next `URGE_S` seconds."""
+        self._urged_until = time.monotonic() + URGE_S
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every block queued before this call is committed and synced. False on timeout."""
@@ -378,14 +385,16 @@ class DiskTier:
 
     def _run(self) -> None:
         """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP. No request
-        waits for a write, so the writer runs on idle cores only (SCHED_IDLE) while at most `_urgent_bytes` (three
-        quarters of the queue's bound) is queued, and beside the requests at background priority from then until the
-        backlog halves: a sustained load neither fills the queue nor widens what a kill -9 loses past that. Where the
-        thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background priority. The no-reuse
-        workload, 3 runs of 8 requests of 256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against
-        19.0-20.3 at nice 10, prefills of 4 x 256 tokens 517-542 against 512-630 ms. Escalating at a quarter of the
-        bound instead put the writer beside the hits after a single long-document round (docs/design.md section 9,
-        "Memory on these VMs")."""
+        waits for a write, and a queued block is also in L2 until L2 evicts it, so the writer runs on idle cores only
+        (SCHED_IDLE) unless some queued block has lost that copy (`urge`: L2 evicted it, and until it is written it
+        exists only in memory, where a revisit cannot find it) or the backlog passes `_urgent_bytes` (three quarters
+        of the queue's bound, where writes would start to drop); then beside the requests at background priority, until
+        the urge lapses and the backlog halves. Where the thread could not leave SCHED_IDLE again (`can_leave_idle`),
+        always at background priority. The no-reuse workload, 3 runs of 8 requests of 256 tokens, alternating:
+        decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10. The bound was 256 MiB, escalating past
+        192, until the peers' four workloads (~460 MB committed in ~50 s, L2 never full) escalated it in their last
+        runs: no-reuse inter-token latency 27.8 and 25.9 ms there against 20.6-21.0 before (docs/design.md section
+        9)."""
         may_idle = can_leave_idle()
         idle: bool | None = None
         while True:
@@ -393,7 +402,8 @@ class DiskTier:
             with self._lock:
                 backlog = self._queued
             limit = self._urgent_bytes if idle is not False else self._urgent_bytes // 2
-            if (now_idle := may_idle and backlog <= limit) != idle:
+            urged = time.monotonic() < self._urged_until
+            if (now_idle := may_idle and backlog <= limit and not urged) != idle:
                 idle = now_idle
                 background_current_thread(idle)
             try:
