@@ -18,11 +18,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from model_worker.block_copy import HostBlockCopy
+from model_worker.kvcache_client import KVCacheClient
 from radixserve.blocks.slab import SHM_DIR, SlabSegment
 from radixserve.launch import REPO, Stack, free_port
+from radixserve.transport import TransportSecurity
 from radixserve.v1 import common_pb2
 from radixserve.v1 import kvcache_pb2 as pb
 from radixserve.v1 import kvcache_pb2_grpc
@@ -220,6 +224,32 @@ def test_register_returns_the_pool_and_is_idempotent(daemon, fp):
     assert register(daemon, fp) == handle
     assert daemon.segments() == segments
     assert_settled(daemon, fp, 0)
+
+
+def resident_bytes(segment_name: str) -> int:
+    """This process's resident bytes of its mappings of the segment (`Rss` in /proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                ours = line.rstrip().endswith("/" + segment_name)
+            elif ours and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_worker_maps_in_its_first_segment_when_it_registers(daemon, fp):
+    """The worker's kvcached client populates its mapping of the first segment it attaches, so that commits write
+    at memory speed instead of faulting a page at a time (model_worker/kvcache_client.py, `_attach`)."""
+    client = KVCacheClient(daemon.address, TransportSecurity(), fp, DAEMON_GEO,
+                           torch.zeros(4, DAEMON_GEO.block_bytes // 4), 5.0, HostBlockCopy())
+    try:
+        deadline = time.monotonic() + 30
+        while not (client.segment_name and resident_bytes(client.segment_name) >= NUM_SLOTS * SLOT_BYTES):
+            assert time.monotonic() < deadline, "the segment was not mapped in"
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def test_bytes_written_into_allocated_slots_read_back_after_match(daemon, fp):
