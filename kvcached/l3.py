@@ -105,12 +105,14 @@ class L3:
     def committed(self, namespace: str, pool: SlabPool, hashes: Sequence[BlockHash], first: int,
                   slots: Sequence[int]) -> None:
         """Pages hashes[first:first+len(slots)] were just committed into `slots`."""
+        self.disk.note_request()
         if self.policy is WritePolicy.WRITE_THROUGH:
             for i, slot in enumerate(slots, start=first):
                 self._store(namespace, pool, hashes[i], hashes[i - 1] if i else None, slot)
 
     def hit(self, namespace: str, pool: SlabPool, hashes: Sequence[BlockHash], slots: Sequence[int]) -> None:
-        """MatchPrefix found hashes[:len(slots)] in L2."""
+        """MatchPrefix found hashes[:len(slots)] in L2 (none, for a miss)."""
+        self.disk.note_request()
         if self.policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
             return
         for i, slot in enumerate(slots):

@@ -242,6 +242,26 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
     tier.close()
 
 
+def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_tier, "QUIET_S", 0.5)
+    with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        tier.note_request()
+        assert tier.put_async(NS, key(0), parent(0), payload(0))
+        time.sleep(0.2)
+        assert stored(tier) == set()  # held back: a request used the cache 0.2 s ago
+        time.sleep(0.5)
+        assert stored(tier) == {0}  # written once none had for QUIET_S
+        tier.note_request()
+        started = time.monotonic()
+        put(tier, 1)  # a flush does not wait for quiet
+        assert time.monotonic() - started < 0.4 and stored(tier) == {0, 1}
+        tier.note_request()
+        assert tier.put_async(NS, key(2), parent(2), payload(2))
+        tier.urge()
+        time.sleep(0.2)
+        assert stored(tier) == {0, 1, 2}  # urged: written at once
+
+
 class _BrokenEnv:
     def begin(self, **kw):
         raise lmdb.DiskError("injected")

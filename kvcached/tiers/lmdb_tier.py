@@ -20,7 +20,8 @@ Threads and contracts
   shared-prefix p50 was 119-125 ms with 16 against 125-130 with 4. (On a Zen 5 host, 64 blocks a txn had slowed a
   shared-prefix hit committed beside it: 63-106 ms against 52-78 with 4; docs/design.md section 9.)
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
-  `max_queue_bytes` already. A block already stored is not rewritten (equal keys mean equal contents). The block
+  `max_queue_bytes` already. The writer stores queued blocks once no request has used the cache for `QUIET_S`
+  (`note_request`), on idle cores, unless urged (`urge`: L2 evicted a queued block) or its backlog grows urgent. A block already stored is not rewritten (equal keys mean equal contents). The block
   comes as bytes or as a `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into
   one reusable buffer: nothing copies on the caller's thread. A source that no longer holds the block by then (its
   slot was reused), or whose copy raises, is a dropped write.
@@ -179,6 +180,7 @@ class _DropNamespace(NamedTuple):
 
 
 URGE_S = 1.0  # how long the writer stays off idle cores after `urge`
+QUIET_S = 0.3  # how long the writer holds its next batch after a request used the cache (`note_request`)
 _WAKE = object()  # a corrupt block awaits deletion
 _STOP = object()
 
@@ -210,6 +212,9 @@ class DiskTier:
         self._events: list[TierEvent] = []
         self._bytes_used = self._queued = 0
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
+        self._quiet_at = 0.0  # monotonic; set by `note_request`
+        self._flushes = 0  # flushes waiting: the writer holds nothing back for quiet meanwhile
+        self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
         self._counts = dict.fromkeys(("reads", "misses", "bytes_read", "writes", "bytes_written", "corrupt_blocks",
                                       "dropped_writes", "evictions", "io_errors"), 0)
         self._healthy, self._closed = True, False
@@ -260,18 +265,32 @@ class DiskTier:
 
     # ---- control ------------------------------------------------------------------------------------------------
 
+    def note_request(self) -> None:
+        """A request used the cache just now: the writer holds its next batch of puts until none has for `QUIET_S`
+        (`_await_quiet`)."""
+        self._quiet_at = time.monotonic() + QUIET_S
+
     def urge(self) -> None:
         """Some queued block has lost its other copy (L2 evicted it, and its bytes wait in memory until written): the
-        writer leaves idle cores for background priority, whatever its backlog, for the next `URGE_S` seconds."""
+        writer leaves idle cores for background priority, whatever its backlog, and stops waiting for quiet, for the
+        next `URGE_S` seconds."""
         self._urged_until = time.monotonic() + URGE_S
+        self._wake.set()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every block queued before this call is committed and synced. False on timeout."""
         if self._closed:
             return True
         barrier = _Barrier(threading.Event())
+        with self._lock:
+            self._flushes += 1
+        self._wake.set()
         self._queue.put(barrier)
-        return barrier.done.wait(timeout)
+        try:
+            return barrier.done.wait(timeout)
+        finally:
+            with self._lock:
+                self._flushes -= 1
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Flushes, stops the writer and closes the environment; later puts are dropped, reads miss. False when the
@@ -280,6 +299,7 @@ class DiskTier:
             if self._closed:
                 return True
             self._closed = True
+        self._wake.set()
         self._queue.put(_STOP)
         self._writer.join(timeout)
         if self._writer.is_alive():
@@ -389,7 +409,8 @@ class DiskTier:
         (SCHED_IDLE) unless some queued block has lost that copy (`urge`: L2 evicted it, and until it is written it
         exists only in memory, where a revisit cannot find it) or the backlog passes `_urgent_bytes` (three quarters
         of the queue's bound, where writes would start to drop); then beside the requests at background priority, until
-        the urge lapses and the backlog halves. Where the thread could not leave SCHED_IDLE again (`can_leave_idle`),
+        the urge lapses and the backlog halves. Otherwise a batch of puts also waits for a quiet spell
+        (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`),
         always at background priority. The no-reuse workload, 3 runs of 8 requests of 256 tokens, alternating:
         decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10. The bound was 256 MiB, escalating past
         192, until the peers' four workloads (~460 MB committed in ~50 s, L2 never full) escalated it in their last
@@ -399,6 +420,8 @@ class DiskTier:
         idle: bool | None = None
         while True:
             ops = self._drain()
+            if all(isinstance(op, _Put) for op in ops):
+                self._await_quiet()
             with self._lock:
                 backlog = self._queued
             limit = self._urgent_bytes if idle is not False else self._urgent_bytes // 2
@@ -416,6 +439,21 @@ class DiskTier:
                         op.done.set()
             if ops[-1] is _STOP:
                 return
+
+    def _await_quiet(self) -> None:
+        """Holds the writer's batch of puts until no request has used the cache for `QUIET_S`, unless the writer is
+        urged, its backlog is past `_urgent_bytes`, a flush waits or the tier closes: a queued block is still in L2,
+        and its write beside a request slowed it (the shared-prefix workload's hits, 3 alternating runs: TTFT
+        [72, 72, 59, 59], [69, 62, 80, 80], [65, 68, 51, 51] ms with the writes, [53, 51, 57, 56], [60, 58, 71, 66],
+        [53, 51, 56, 55] without; docs/design.md section 9)."""
+        while True:
+            with self._lock:
+                hurry = self._closed or self._flushes > 0 or self._queued > self._urgent_bytes
+            now = time.monotonic()
+            if hurry or now >= self._quiet_at or now < self._urged_until:
+                return
+            self._wake.wait(self._quiet_at - now)
+            self._wake.clear()
 
     def _drain(self) -> list:
         """The next batch: blocks for one op, then takes what is queued, up to the batch limits or a _STOP."""
