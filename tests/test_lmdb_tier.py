@@ -191,11 +191,9 @@ def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
     assert tier.get(key(0)) is None
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
-def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
-    """Idle cores only (SCHED_IDLE) while three quarters of the queue's bound or less waits; past it, normal
-    scheduling (at background nice) until the backlog halves."""
-    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=7 * N, max_batch_blocks=1)  # urgent past 5.25 N
+def gate_writer(tier: DiskTier, monkeypatch) -> tuple[list[int], threading.Event, threading.Event]:
+    """Holds the writer in each batch of puts until `release` is set (`entered` is set when it first waits there);
+    `policies` gets its scheduling policy in each batch."""
     policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
 
     def gated(puts):
@@ -206,6 +204,15 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
         write(puts)
 
     monkeypatch.setattr(tier, "_write", gated)
+    return policies, entered, release
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
+def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
+    """Idle cores only (SCHED_IDLE) while three quarters of the queue's bound or less waits; past it, normal
+    scheduling (at background nice) until the backlog halves."""
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=7 * N, max_batch_blocks=1)  # urgent past 5.25 N
+    policies, entered, release = gate_writer(tier, monkeypatch)
     assert tier.put_async(NS, key(0), parent(0), payload(0))
     assert entered.wait(10)  # block 0 taken with a backlog of N
     assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in range(1, 7))
@@ -220,16 +227,7 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
     """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling for `URGE_S`."""
     monkeypatch.setattr(lmdb_tier, "URGE_S", 0.3)
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
-    policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
-
-    def gated(puts):
-        if puts:  # not the flush's barrier
-            policies.append(os.sched_getscheduler(0))
-        entered.set()
-        release.wait(10)
-        write(puts)
-
-    monkeypatch.setattr(tier, "_write", gated)
+    policies, entered, release = gate_writer(tier, monkeypatch)
     assert tier.put_async(NS, key(0), parent(0), payload(0))
     assert entered.wait(10)  # block 0 taken idle, with a backlog far under the bound
     assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in (1, 2))
