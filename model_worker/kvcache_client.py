@@ -89,7 +89,7 @@ class KVCacheClient:
         self._retry_at = 0.0
         self._register_queued = False  # one queued registration is enough, however many stale leases ask
         self._reachable = True  # False after a failure until a registration succeeds
-        self._mapped_once = False  # the first attached segment was populated (`register`)
+        self._mapped_once = False  # the first attached segment was populated (`_attach`)
         self._jobs: queue.Queue = queue.Queue(MAX_QUEUED_JOBS)
         self._thread = threading.Thread(target=self._run, name="kvcache-client", daemon=True)
         self._thread.start()
@@ -158,25 +158,25 @@ class KVCacheClient:
             self._attach(handle.segment_name, handle.num_slots)
             log.info("Radix cache enabled", extra={"kvcached": self._address, "segment": handle.segment_name,
                                                    "capacity_blocks": handle.num_slots})
-            if not self._mapped_once:
-                self._mapped_once = True
-                self._attached.segment.populate()
         with self._attach_lock:
             self._close_retired()
         return True
 
     def _attach(self, segment_name: str, num_slots: int) -> None:
-        # `register` maps the first segment's pages in (`populate`) once it is attached, on this thread, at start-up
-        # (hits may copy meanwhile; commits queue behind it). A commit writes its blocks through this mapping, and a write faults one 4 KiB page
-        # at a time (reads fault in 16): 16 blocks (11.8 MB) took 4-5.5 ms of CPU beside the forward into slots not
-        # yet touched, 0.7 ms once mapped (1 GiB took 0.7 s). A later segment (kvcached restarted) faults in as it is
-        # used: populating a restarted kvcached's 1.5 GB segment took 0.5 s of CPU beside the first hits (a 74 MB copy
-        # out of an unmapped range took 23 instead of 19 ms; docs/design.md section 9).
+        # The first segment's pages are mapped in (`populate`) once it is attached, on this thread, at start-up (hits
+        # may copy meanwhile; commits queue behind it). A commit writes its blocks through this mapping, and a write
+        # faults one 4 KiB page at a time (reads fault in 16): 16 blocks (11.8 MB) took 4-5.5 ms of CPU beside the
+        # forward into slots not yet touched, 0.7 ms once mapped (1 GiB took 0.7 s). A later segment (kvcached
+        # restarted) faults in as it is used: populating a restarted kvcached's 1.5 GB segment took 0.5 s of CPU beside
+        # the first hits (a 74 MB copy out of an unmapped range took 23 instead of 19 ms; docs/design.md section 9).
         segment = SlabSegment.attach(segment_name, self._geometry.block_bytes, num_slots)
         blocks = slab_blocks(segment, self._geometry)
         self._block_copy.pin(blocks)
         self._retire()
         self._attached = Attached(segment, blocks)
+        if not self._mapped_once:
+            self._mapped_once = True
+            segment.populate()
 
     def _retire(self) -> None:
         """Forgets the attached segment; it is unmapped once no copy reads it (`_close_retired`)."""

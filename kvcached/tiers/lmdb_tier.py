@@ -21,10 +21,11 @@ Threads and contracts
   shared-prefix hit committed beside it: 63-106 ms against 52-78 with 4; docs/design.md section 9.)
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
   `max_queue_bytes` already. The writer stores queued blocks once no request has used the cache for `QUIET_S`
-  (`note_request`), on idle cores, unless urged (`urge`: L2 evicted a queued block) or its backlog grows urgent. A block already stored is not rewritten (equal keys mean equal contents). The block
-  comes as bytes or as a `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into
-  one reusable buffer: nothing copies on the caller's thread. A source that no longer holds the block by then (its
-  slot was reused), or whose copy raises, is a dropped write.
+  (`note_request`), on idle cores, unless urged (`urge`: L2 evicted a queued block) or its backlog grows urgent. A
+  block already stored is not rewritten (equal keys mean equal contents). The block comes as bytes or as a
+  `BlockSource` (an L2 slot), which the writer copies from when it stores the block, into one reusable buffer:
+  nothing copies on the caller's thread. A source that no longer holds the block by then (its slot was reused), or
+  whose copy raises, is a dropped write.
 - `get` / `read_into` may run on any thread, concurrently. They return a miss (None / False) for an absent block, a
   block that fails its checksum (counted in `corrupt_blocks`, then deleted by the writer) and any I/O error (the tier
   turns unhealthy; nothing is raised). What they return is a copy: it stays valid after the call.
@@ -213,7 +214,6 @@ class DiskTier:
         self._bytes_used = self._queued = 0
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
         self._quiet_at = 0.0  # monotonic; set by `note_request`
-        self._flushes = 0  # flushes waiting: the writer holds nothing back for quiet meanwhile
         self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
         self._counts = dict.fromkeys(("reads", "misses", "bytes_read", "writes", "bytes_written", "corrupt_blocks",
                                       "dropped_writes", "evictions", "io_errors"), 0)
@@ -282,15 +282,9 @@ class DiskTier:
         if self._closed:
             return True
         barrier = _Barrier(threading.Event())
-        with self._lock:
-            self._flushes += 1
         self._wake.set()
         self._queue.put(barrier)
-        try:
-            return barrier.done.wait(timeout)
-        finally:
-            with self._lock:
-                self._flushes -= 1
+        return barrier.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Flushes, stops the writer and closes the environment; later puts are dropped, reads miss. False when the
@@ -410,8 +404,8 @@ class DiskTier:
         exists only in memory, where a revisit cannot find it) or the backlog passes `_urgent_bytes` (three quarters
         of the queue's bound, where writes would start to drop); then beside the requests at background priority, until
         the urge lapses and the backlog halves. Otherwise a batch of puts also waits for a quiet spell
-        (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`),
-        always at background priority. The no-reuse workload, 3 runs of 8 requests of 256 tokens, alternating:
+        (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background
+        priority. The no-reuse workload, 3 runs of 8 requests of 256 tokens, alternating:
         decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10. The bound was 256 MiB, escalating past
         192, until the peers' four workloads (~460 MB committed in ~50 s, L2 never full) escalated it in their last
         runs: no-reuse inter-token latency 27.8 and 25.9 ms there against 20.6-21.0 before (docs/design.md section
@@ -425,8 +419,7 @@ class DiskTier:
             with self._lock:
                 backlog = self._queued
             limit = self._urgent_bytes if idle is not False else self._urgent_bytes // 2
-            urged = time.monotonic() < self._urged_until
-            if (now_idle := may_idle and backlog <= limit and not urged) != idle:
+            if (now_idle := may_idle and backlog <= limit and not self._urged()) != idle:
                 idle = now_idle
                 background_current_thread(idle)
             try:
@@ -445,15 +438,17 @@ class DiskTier:
         urged, its backlog is past `_urgent_bytes`, a flush waits or the tier closes: a queued block is still in L2,
         and its write beside a request slowed it (the shared-prefix workload's hits, 3 alternating runs: TTFT
         [72, 72, 59, 59], [69, 62, 80, 80], [65, 68, 51, 51] ms with the writes, [53, 51, 57, 56], [60, 58, 71, 66],
-        [53, 51, 56, 55] without; docs/design.md section 9)."""
-        while True:
-            with self._lock:
-                hurry = self._closed or self._flushes > 0 or self._queued > self._urgent_bytes
-            now = time.monotonic()
-            if hurry or now >= self._quiet_at or now < self._urged_until:
+        [53, 51, 56, 55] without; docs/design.md section 9). A flush, an urge or close ends the wait (`_wake`)."""
+        while not (self._closed or self._urged() or self._queued > self._urgent_bytes):
+            remaining = self._quiet_at - time.monotonic()
+            if remaining <= 0:
                 return
-            self._wake.wait(self._quiet_at - now)
-            self._wake.clear()
+            if self._wake.wait(remaining):
+                self._wake.clear()
+                return
+
+    def _urged(self) -> bool:
+        return time.monotonic() < self._urged_until
 
     def _drain(self) -> list:
         """The next batch: blocks for one op, then takes what is queued, up to the batch limits or a _STOP."""

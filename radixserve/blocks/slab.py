@@ -123,11 +123,11 @@ class SlabSegment:
 
     def populate_in_background(self) -> threading.Thread:
         """`populate` on a daemon thread that runs only on idle cores (a 4 GiB pool takes seconds): slots are usable
-        meanwhile, only slower. kvcached calls it for each pool it creates; a worker calls `populate` on its
-        first segment only, and lets a later one fault in as it is used (docs/design.md section 4). At normal priority and in 64 MiB steps, a restarted kvcached's new
-        1.6 GB segment, populated then by the daemon and by each worker that attached it, slowed the first L3 hit's
-        forward from ~400 to 810-1,400 ms (that hit's TTFT 0.22-0.27x of cold in `bench.tiers`, against ~0.10x for
-        the next)."""
+        meanwhile, only slower. kvcached calls it for each pool it creates; a worker calls `populate` on its first
+        segment only, and lets a later one fault in as it is used (docs/design.md section 4). At normal priority and in
+        64 MiB steps, a restarted kvcached's new 1.6 GB segment, populated then by the daemon and by each worker that
+        attached it, slowed the first L3 hit's forward from ~400 to 810-1,400 ms (that hit's TTFT 0.22-0.27x of cold in
+        `bench.tiers`, against ~0.10x for the next)."""
 
         def populate_yielding() -> None:
             idle_current_thread()
