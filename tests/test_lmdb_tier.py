@@ -18,6 +18,7 @@ from kvcached.tiers.lmdb_tier import (
     stored_bytes,
 )
 from kvcached.tiers import lmdb_tier
+from radixserve.launch import wait_for
 from radixserve.priority import can_leave_idle
 from tests.kvcache_helpers import NS, N, key, parent, payload
 
@@ -240,15 +241,6 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
     tier.close()
 
 
-def eventually(condition, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypatch):
     monkeypatch.setattr(lmdb_tier, "QUIET_S", 1.0)
     with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
@@ -257,7 +249,7 @@ def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypat
         assert tier.put_async(NS, key(0), parent(0), payload(0))
         time.sleep(0.2)
         assert stored(tier) == set()  # held back: a request used the cache 0.2 s ago
-        assert eventually(lambda: stored(tier) == {0}) and time.monotonic() >= quiet_from  # once none had for QUIET_S
+        assert wait_for(lambda: stored(tier) == {0}) and time.monotonic() >= quiet_from  # once none had for QUIET_S
         monkeypatch.setattr(lmdb_tier, "QUIET_S", 600.0)  # from here on only a flush or an urge can write
         tier.note_request()
         put(tier, 1)  # a flush does not wait for quiet (put's flush has 10 s)
@@ -265,7 +257,7 @@ def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypat
         tier.note_request()
         assert tier.put_async(NS, key(2), parent(2), payload(2))
         tier.urge()
-        assert eventually(lambda: stored(tier) == {0, 1, 2})  # urged: written without the quiet spell
+        assert wait_for(lambda: stored(tier) == {0, 1, 2})  # urged: written without the quiet spell
 
 
 class _BrokenEnv:
