@@ -174,7 +174,7 @@ def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: di
     for prompt in prompts:
         _into_l3(kvcached, lambda: compute(prompt))
     _restart(services, workers)
-    cold, l3, waits = [], [], []
+    cold, l3, parts = [], [], []
     for rep, prompt in enumerate(prompts):
         hit = _generate(routers["timeout"], prompt)  # worker B, L2 empty: every prefix page comes from L3
         _check("L3 hit", hit.usage.cached_tokens_l3 >= prefix_pages * PAGE, hit)
@@ -182,17 +182,27 @@ def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: di
         _check("cold", fresh.usage.cached_tokens == 0, fresh)
         cold.append(fresh.timings.ttft_ms)
         l3.append(hit.timings.ttft_ms)
-        waits.append(hit.timings.prefetch_wait_ms)
+        parts.append(_ttft_parts(hit.timings))
         print(f"tiers ttft rep {rep}: cold {cold[-1]:.0f} ms (prefill {fresh.timings.prefill_ms:.0f}), L3 hit "
-              f"{l3[-1]:.0f} ms ({hit.usage.cached_tokens_l3} tokens from L3, prefetch wait {waits[-1]:.0f}, "
-              f"prefill {hit.timings.prefill_ms:.0f})", flush=True)
+              f"{l3[-1]:.0f} ms ({hit.usage.cached_tokens_l3} tokens from L3, "
+              + ", ".join(f"{part} {ms:.0f}" for part, ms in parts[-1].items()) + ")", flush=True)
     what = f"TTFT {prompt_tokens}-token prompt, {prefix_pages * PAGE} only in L3 (kvcached restarted, other worker, " \
            f"default policy)"
     return [Row(f"{what} vs cold, median of {reps}", statistics.median(l3), statistics.median(cold), "ms",
                 "<= 0.10x cold"),
             Row(f"{what}: the worst rep's hit / cold", max(h / c for h, c in zip(l3, cold)), None, "x",
                 "<= 0.10 in every run"),
-            Row(f"{what}: prefetch wait of it, median of {reps}", statistics.median(waits), None, "ms", "(context)")]
+            *(Row(f"{what}: {part} of it, median of {reps}", statistics.median(rep[part] for rep in parts), None,
+                  "ms", "(context)") for part in parts[0])]
+
+
+def _ttft_parts(timings: router_pb2.Timings) -> dict[str, float]:
+    """A hit's time to first token in its parts (ms): the router's prefetch wait; the worker's queue (admission and
+    the L2 -> L1 copy); its prefill (the forward); and the rest (the router's work, its calls to kvcached and to
+    the worker, the first token's way back)."""
+    rest = timings.ttft_ms - timings.prefetch_wait_ms - timings.queue_ms - timings.prefill_ms
+    return {"prefetch wait": timings.prefetch_wait_ms, "worker queue (admission, L2->L1 copy)": timings.queue_ms,
+            "prefill": timings.prefill_ms, "the rest (router, RPCs)": rest}
 
 
 def _commit(stub: kvcache_pb2_grpc.KVCacheStub, fingerprint: str, token_ids: list[int]) -> int:
