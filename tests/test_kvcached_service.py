@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model_worker.block_copy import HostBlockCopy
 from model_worker.kvcache_client import KVCacheClient
 from radixserve.blocks.slab import SHM_DIR, SlabSegment
-from radixserve.launch import REPO, Stack, free_port
+from radixserve.launch import REPO, Stack, free_port, wait_for
 from radixserve.transport import TransportSecurity
 from radixserve.v1 import common_pb2
 from radixserve.v1 import kvcache_pb2 as pb
@@ -244,10 +244,8 @@ def test_a_worker_maps_in_its_first_segment_when_it_registers(daemon, fp):
     client = KVCacheClient(daemon.address, TransportSecurity(), fp, DAEMON_GEO,
                            torch.zeros(4, DAEMON_GEO.block_bytes // 4), 5.0, HostBlockCopy())
     try:
-        deadline = time.monotonic() + 30
-        while not (client.segment_name and resident_bytes(client.segment_name) >= NUM_SLOTS * SLOT_BYTES):
-            assert time.monotonic() < deadline, "the segment was not mapped in"
-            time.sleep(0.05)
+        assert wait_for(lambda: client.segment_name and resident_bytes(client.segment_name) >= NUM_SLOTS * SLOT_BYTES,
+                        timeout_s=30), "the segment was not mapped in"
     finally:
         client.close()
 

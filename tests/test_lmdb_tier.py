@@ -244,8 +244,8 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
 def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypatch):
     monkeypatch.setattr(lmdb_tier, "QUIET_S", 1.0)
     with DiskTier(tmp_path, budget_bytes=1 << 20) as tier:
+        quiet_from = time.monotonic() + 1.0  # taken first: the quiet spell ends at quiet_from or later
         tier.note_request()
-        quiet_from = time.monotonic() + 1.0
         assert tier.put_async(NS, key(0), parent(0), payload(0))
         time.sleep(0.2)
         assert stored(tier) == set()  # held back: a request used the cache 0.2 s ago
