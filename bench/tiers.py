@@ -192,7 +192,7 @@ def ttft(services: LocalServices, kvcached: str, workers: list[str], routers: di
                 "<= 0.10x cold"),
             Row(f"{what}: the worst rep's hit / cold", max(h / c for h, c in zip(l3, cold)), None, "x",
                 "<= 0.10 in every run"),
-            *(Row(f"{what}: {part} of it, median of {reps}", statistics.median(rep[part] for rep in parts), None,
+            *(Row(f"{what}: {part} of it, median of {reps}", statistics.median(one[part] for one in parts), None,
                   "ms", "(context)") for part in parts[0])]
 
 
