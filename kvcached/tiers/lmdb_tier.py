@@ -14,11 +14,15 @@ not an adversary, so XXH3.
 Threads and contracts
 - NOTE: LMDB allows one writer. Every write transaction (puts, evictions, deletion of corrupt blocks, namespace
   drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn:
-  by default 16 blocks / 16 MiB. Each txn's commit syncs, and on the Xeon VM of 2026-12-05 those syncs slowed the
-  worker beside them: after the peers workloads, no-reuse throughput with the cache on was 0.93-0.94x of cache off
-  with 4 blocks a txn (3 alternating runs), 0.96-0.98x with 16, and 0.99-1.01x with no sync at all; the
-  shared-prefix p50 was 119-125 ms with 16 against 125-130 with 4. (On a Zen 5 host, 64 blocks a txn had slowed a
-  shared-prefix hit committed beside it: 63-106 ms against 52-78 with 4; docs/design.md section 9.)
+  by default one block. The writer runs at SCHED_IDLE (`_run`), but a thread inside a system call is not preempted
+  here (the kernel is `PREEMPT_NONE`), and the scheduler places a woken thread on a core that runs only SCHED_IDLE
+  work as if it were idle: the woken thread (a request's, or the forward's) waits there until the writer's commit
+  (its writev, then its fdatasync) returns. Those waits grow with the txn: wakeups onto the writer's core during the
+  peers' workloads waited 0.57 ms median, 6.7 ms p90 and 12.4 ms at most with 16 blocks a txn (570 ms in all), and
+  0.007, 0.03 and 3.4 ms with one (9 ms in all); one writer into a growing environment stored 840-930 MB/s with one
+  block a txn against 420-250 with 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
+  2026-12-05 those syncs slowed the worker beside them: no-reuse throughput with the cache on was 0.93-0.94x of cache
+  off with 4 blocks a txn (3 alternating runs) against 0.96-0.98x with 16.
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
   `max_queue_bytes` already. The writer stores queued blocks once no request has used the cache for `QUIET_S`
   (`note_request`), on idle cores, unless urged (`urge`: L2 evicted a queued block) or its backlog grows urgent. A
@@ -190,7 +194,7 @@ class DiskTier:
     """See the module docstring. Opening reads every header once to rebuild sizes and the LRU set."""
 
     def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 1 << 30,
-                 max_batch_blocks: int = 16, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
+                 max_batch_blocks: int = 1, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
                  read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
