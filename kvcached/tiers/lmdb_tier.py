@@ -20,7 +20,7 @@ Threads and contracts
   (its writev, then its fdatasync) returns. Those waits grow with the txn: wakeups onto the writer's core during the
   peers' workloads waited 0.57 ms median, 6.7 ms p90 and 12.4 ms at most with 16 blocks a txn (570 ms in all), and
   0.007, 0.03 and 3.4 ms with one (9 ms in all); one writer into a growing environment stored 840-930 MB/s with one
-  block a txn against 420-250 with 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
+  block a txn against 250-420 with 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
   2026-12-05 those syncs slowed the worker beside them: no-reuse throughput with the cache on was 0.93-0.94x of cache
   off with 4 blocks a txn (3 alternating runs) against 0.96-0.98x with 16.
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
