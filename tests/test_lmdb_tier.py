@@ -260,6 +260,19 @@ def test_puts_wait_for_a_quiet_spell_unless_flushed_or_urged(tmp_path, monkeypat
         assert wait_for(lambda: stored(tier) == {0, 1, 2})  # urged: written without the quiet spell
 
 
+def test_a_flush_writes_every_block_queued_before_it_without_waiting_for_quiet(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_tier, "QUIET_S", 600.0)  # only a flush can write here
+    with DiskTier(tmp_path, budget_bytes=1 << 20, max_batch_blocks=1) as tier:
+        tier.note_request()
+        for i in range(3):  # three batches of one put: none may wait for quiet while the flush is pending
+            assert tier.put_async(NS, key(i), parent(i), payload(i))
+        assert tier.flush(timeout=10) and stored(tier) == {0, 1, 2}
+        tier.note_request()
+        assert tier.put_async(NS, key(3), parent(3), payload(3))
+        time.sleep(0.2)
+        assert stored(tier) == {0, 1, 2}  # the flush is done: a later put waits for quiet again
+
+
 class _BrokenEnv:
     def begin(self, **kw):
         raise lmdb.DiskError("injected")

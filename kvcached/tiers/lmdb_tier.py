@@ -219,6 +219,7 @@ class DiskTier:
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
         self._quiet_at = 0.0  # monotonic; set by `note_request`
         self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
+        self._flushes_pending = 0  # flushes whose barrier the writer has not reached: no put waits for quiet meanwhile
         self._counts = dict.fromkeys(("reads", "misses", "bytes_read", "writes", "bytes_written", "corrupt_blocks",
                                       "dropped_writes", "evictions", "io_errors"), 0)
         self._healthy, self._closed = True, False
@@ -286,6 +287,8 @@ class DiskTier:
         if self._closed:
             return True
         barrier = _Barrier(threading.Event())
+        with self._lock:
+            self._flushes_pending += 1
         self._wake.set()
         self._queue.put(barrier)
         return barrier.done.wait(timeout)
@@ -433,6 +436,8 @@ class DiskTier:
             finally:
                 for op in ops:
                     if isinstance(op, _Barrier):
+                        with self._lock:
+                            self._flushes_pending -= 1
                         op.done.set()
             if ops[-1] is _STOP:
                 return
@@ -442,14 +447,14 @@ class DiskTier:
         urged, its backlog is past `_urgent_bytes`, a flush waits or the tier closes: a queued block is still in L2,
         and its write beside a request slowed it (the shared-prefix workload's hits, 3 alternating runs: TTFT
         [72, 72, 59, 59], [69, 62, 80, 80], [65, 68, 51, 51] ms with the writes, [53, 51, 57, 56], [60, 58, 71, 66],
-        [53, 51, 56, 55] without; docs/design.md section 9). A flush, an urge or close ends the wait (`_wake`)."""
-        while not (self._closed or self._urged() or self._queued > self._urgent_bytes):
+        [53, 51, 56, 55] without; docs/design.md section 9). A flush, an urge or close ends the wait: each sets its
+        state before `_wake`, so the event can be cleared here first and only ends a wait early."""
+        self._wake.clear()
+        while not (self._closed or self._flushes_pending or self._urged() or self._queued > self._urgent_bytes):
             remaining = self._quiet_at - time.monotonic()
             if remaining <= 0:
                 return
-            if self._wake.wait(remaining):
-                self._wake.clear()
-                return
+            self._wake.wait(remaining)
 
     def _urged(self) -> bool:
         return time.monotonic() < self._urged_until
