@@ -82,9 +82,9 @@ def _check_chars(field: str, n: int, limits: Limits) -> None:
 
 
 def _checked_token_ids(ids: list[int], vocab_size: int) -> list[int]:
-    for i, t in enumerate(ids):
-        if t >= vocab_size:
-            raise invalid(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    if ids and max(ids) >= vocab_size:
+        i, t = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
+        raise invalid(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
