@@ -14,13 +14,16 @@ not an adversary, so XXH3.
 Threads and contracts
 - NOTE: LMDB allows one writer. Every write transaction (puts, evictions, deletion of corrupt blocks, namespace
   drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn:
-  by default one block. The writer runs at SCHED_IDLE (`_run`), but a thread inside a system call is not preempted
-  here (the kernel is `PREEMPT_NONE`), and the scheduler places a woken thread on a core that runs only SCHED_IDLE
-  work as if it were idle: the woken thread (a request's, or the forward's) waits there until the writer's commit
-  (its writev, then its fdatasync) returns. Those waits grow with the txn: wakeups onto the writer's core during the
-  peers' workloads waited 0.57 ms median, 6.7 ms p90 and 12.4 ms at most with 16 blocks a txn (570 ms in all), and
-  0.007, 0.03 and 3.4 ms with one (9 ms in all); one writer into a growing environment stored 840-930 MB/s with one
-  block a txn against 250-420 with 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
+  by default 16 blocks / 16 MiB. The writer runs at SCHED_IDLE (`_run`), but a thread inside a system call is not
+  preempted here (the kernel is `PREEMPT_NONE`), and the scheduler places a woken thread on a core that runs only
+  SCHED_IDLE work as if it were idle: the woken thread (a request's, or the forward's) waits there until the
+  writer's commit (its writev, then its fdatasync) returns. Those waits grow with the txn: wakeups onto the writer's
+  core during the peers' workloads waited 0.57 ms median, 6.7 ms p90 and 12.4 ms at most with 16 blocks a txn (570
+  ms in all), and 0.007, 0.03 and 3.4 ms with one (9 ms in all); one writer into a growing environment stored 840-930
+  MB/s with one block a txn against 250-420 with 16. One block a batch was tried and reverted: the quiet wait is per
+  batch, so under steady requests far fewer blocks reached L3 before they were revisited (`make bench` revisit, L3
+  share of prompt tokens under `timeout` 0 in two runs against 0.16-0.195). The fix this asks for, not built: a
+  txn per block inside a batch of 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
   2026-12-05 those syncs slowed the worker beside them: no-reuse throughput with the cache on was 0.93-0.94x of cache
   off with 4 blocks a txn (3 alternating runs) against 0.96-0.98x with 16.
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
@@ -194,7 +197,7 @@ class DiskTier:
     """See the module docstring. Opening reads every header once to rebuild sizes and the LRU set."""
 
     def __init__(self, path: str | os.PathLike, budget_bytes: int, *, max_queue_bytes: int = 1 << 30,
-                 max_batch_blocks: int = 1, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
+                 max_batch_blocks: int = 16, max_batch_bytes: int = 16 << 20, map_size: int | None = None,
                  read_delay_s: float = 0.0) -> None:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
