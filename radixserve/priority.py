@@ -9,8 +9,8 @@ segment's page tables (`SlabSegment.populate_in_background`) runs only on idle c
 
 Such a thread must keep its system calls short. A kernel built `PREEMPT_NONE` (these hosts) preempts a thread only
 when it leaves the kernel, and the scheduler places a woken thread on a core that runs only SCHED_IDLE work as on an
-idle one: the woken thread waits there for the idle thread's system call to return (up to 12 ms behind the L3
-writer's 16-block commits: `DiskTier`); a populate call covers 2 MiB.
+idle one: the woken thread waits there for the idle thread's system call to return (up to 12 ms behind an L3
+commit of 16 blocks, so the writer commits one block at a time: `DiskTier`); a populate call covers 2 MiB.
 """
 
 from __future__ import annotations

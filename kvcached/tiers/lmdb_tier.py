@@ -13,19 +13,19 @@ not an adversary, so XXH3.
 
 Threads and contracts
 - NOTE: LMDB allows one writer. Every write transaction (puts, evictions, deletion of corrupt blocks, namespace
-  drops) runs on the tier's own writer thread, which batches up to `max_batch_blocks` / `max_batch_bytes` per txn:
-  by default 16 blocks / 16 MiB. The writer runs at SCHED_IDLE (`_run`), but a thread inside a system call is not
-  preempted here (the kernel is `PREEMPT_NONE`), and the scheduler places a woken thread on a core that runs only
-  SCHED_IDLE work as if it were idle: the woken thread (a request's, or the forward's) waits there until the
-  writer's commit (its writev, then its fdatasync) returns. Those waits grow with the txn: wakeups onto the writer's
-  core during the peers' workloads waited 0.57 ms median, 6.7 ms p90 and 12.4 ms at most with 16 blocks a txn (570
-  ms in all), and 0.007, 0.03 and 3.4 ms with one (9 ms in all); one writer into a growing environment stored 840-930
-  MB/s with one block a txn against 250-420 with 16. One block a batch was tried and reverted: the quiet wait is per
-  batch, so under steady requests far fewer blocks reached L3 before they were revisited (`make bench` revisit, L3
-  share of prompt tokens under `timeout` 0 in two runs against 0.16-0.195). The fix this asks for, not built: a
-  txn per block inside a batch of 16 (docs/design.md section 9). Each txn's commit syncs; on the Xeon VM of
-  2026-12-05 those syncs slowed the worker beside them: no-reuse throughput with the cache on was 0.93-0.94x of cache
-  off with 4 blocks a txn (3 alternating runs) against 0.96-0.98x with 16.
+  drops) runs on the tier's own writer thread. It takes up to `max_batch_blocks` / `max_batch_bytes` of queued puts
+  at a time (by default 16 blocks / 16 MiB), waits once for a quiet spell (`_await_quiet`), then commits each block in
+  its own txn. The writer runs at SCHED_IDLE (`_run`), but a thread inside a system call is not preempted here (the
+  kernel is `PREEMPT_NONE`), and the scheduler places a woken thread on a core that runs only SCHED_IDLE work as if it
+  were idle: the woken thread (a request's, or the forward's) waits there until the writer's commit (its writev, then
+  its fdatasync) returns, so commits stay one block long. Wakeups onto the writer's core during the peers' first three
+  workloads through one stack waited 0.57 ms median, 6.7 ms p90, 12.4 ms at most and 570 ms in all (sum of those
+  over 1 ms) with the batch in one txn; 0.005, 0.04, 7.3 and 33 ms with a txn per block (2026-12-07 21:00). One
+  writer into a growing environment stored 840-930 MB/s with one block a txn against 250-420 with 16. One block a
+  *batch* (so a quiet wait before every block) was tried and reverted (docs/design.md section 9). On the Xeon VM of
+  2026-12-05 the commits' syncs slowed the worker beside them: no-reuse throughput with the cache on was 0.93-0.94x
+  of cache off with 4 blocks a txn (3 alternating runs) against 0.96-0.98x with 16; on this host the make bench
+  serving runs with a txn per block had 0.97x (21:00).
 - `put_async` never blocks: it queues the block, or drops it and counts `dropped_writes` when the queue holds
   `max_queue_bytes` already. The writer stores queued blocks once no request has used the cache for `QUIET_S`
   (`note_request`), on idle cores, unless urged (`urge`: L2 evicted a queued block) or its backlog grows urgent. A
@@ -48,8 +48,9 @@ Size bound: `bytes_used` counts stored values (header + ns + payload, see `store
 writer evicts least-recently-used blocks until the batch fits in `budget_bytes`. LRU order lives in memory only (an
 OrderedDict touched by reads): persisting it would cost a write per read. After a reopen, every stored block counts
 as older than any block touched since, in key order (hash order: effectively random). `map_size` leaves headroom for
-LMDB's page overhead and for pages freed by the last txn that are not reusable yet; if the map still fills
-(MapFullError) the writer evicts one more batch's worth and retries once, then drops the batch and counts it.
+LMDB's page overhead and for pages freed by the last txns that are not reusable yet; if the map still fills
+(MapFullError) the writer evicts the worth of the batch's blocks not yet stored and retries them once, then drops
+those still left and counts them.
 
 Durability: `sync=True, metasync=False` (MDB_NOMETASYNC). Each commit fdatasyncs its data pages; the meta page goes
 to disk with the next commit or `flush`. A kill -9 loses only what was not committed (committed pages sit in the page
@@ -491,27 +492,21 @@ class DiskTier:
             self._env.sync(True)
 
     def _write(self, puts: list[_Put]) -> None:
+        """Stores the batch's fresh puts, one txn each (module docstring: short commits keep woken threads off the
+        writer's core only briefly). When the map fills, the puts left evict their worth once more and are retried
+        once; those that still do not fit are dropped."""
         fresh = self._fresh(puts)
         if not fresh:
             return
-        need = sum(_put_size(p) for p in fresh)
-        self._evict(self._bytes_used + need - self._budget)
-        try:
-            self._put_all(fresh)
-        except lmdb.MapFullError:
-            self._evict(need)
-            self._retry_put(fresh)
-        except lmdb.Error as exc:
-            self._fault("write", exc)
-            self._drop([p.key for p in fresh])
-
-    def _retry_put(self, fresh: list[_Put]) -> None:
-        try:
-            self._put_all(fresh)
-        except lmdb.MapFullError:
+        self._evict(self._bytes_used + sum(_put_size(p) for p in fresh) - self._budget)
+        unstored = self._put_each(fresh)
+        if unstored:
+            self._evict(sum(_put_size(p) for p in unstored))
+            unstored = self._put_each(unstored)
+        if unstored:
             log.warning("disk tier map full after evicting; dropping blocks",
-                        extra={"path": self.path, "blocks": len(fresh)})
-            self._drop([p.key for p in fresh])
+                        extra={"path": self.path, "blocks": len(unstored)})
+            self._drop([p.key for p in unstored])
 
     def _fresh(self, puts: list[_Put]) -> list[_Put]:
         """The puts not stored yet, each key once; blocks larger than the budget are dropped."""
@@ -520,26 +515,30 @@ class DiskTier:
         self._drop([p.key for p in new if _put_size(p) > self._budget])
         return [p for p in new if _put_size(p) <= self._budget]
 
-    def _put_all(self, fresh: list[_Put]) -> None:
-        """Stores `fresh` in one txn; a put whose source no longer holds its block is dropped."""
-        stored: list[tuple[bytes, int]] = []
-        void: list[bytes] = []
-        with self._env.begin(write=True) as txn:
-            for put in fresh:
-                value = self._encode(put)
-                if value is None:
-                    void.append(put.key)
-                else:
+    def _put_each(self, puts: list[_Put]) -> list[_Put]:
+        """Stores `puts` in order, each in its own txn, and returns those left when the map filled (from the first
+        that did not fit). An I/O error drops the rest; a put whose source no longer holds its block is dropped."""
+        for i, put in enumerate(puts):
+            value = self._encode(put)
+            if value is None:
+                self._drop([put.key])
+                continue
+            try:
+                with self._env.begin(write=True) as txn:
                     txn.put(put.key, value)
-                    stored.append((put.key, len(value)))
-        with self._lock:
-            for key, size in stored:
-                self._bytes_used += size - self._doomed.pop(key, 0)  # doomed meanwhile: overwritten, not deleted
-                self._lru[key] = size
-                self._events.append(TierEvent(EventKind.STORED, BlockHash(key)))
-            self._counts["writes"] += len(stored)
-            self._counts["bytes_written"] += sum(size for _, size in stored)
-        self._drop(void)
+            except lmdb.MapFullError:
+                return puts[i:]
+            except lmdb.Error as exc:
+                self._fault("write", exc)
+                self._drop([p.key for p in puts[i:]])
+                return []
+            with self._lock:
+                self._bytes_used += len(value) - self._doomed.pop(put.key, 0)  # doomed meanwhile: overwritten
+                self._lru[put.key] = len(value)
+                self._events.append(TierEvent(EventKind.STORED, BlockHash(put.key)))
+                self._counts["writes"] += 1
+                self._counts["bytes_written"] += len(value)
+        return []
 
     def _encode(self, put: _Put) -> memoryview | None:
         """The value stored for `put` (layout: module docstring), written into the writer's buffer and valid until
