@@ -131,6 +131,22 @@ def test_a_client_exiting_does_not_unlink_the_segment(pool):
     assert bytes(pool.view(3)[:2]) == b"ok"
 
 
+def test_a_process_attaching_its_own_segment_exits_cleanly():
+    """A benchmark maps the pool it created: its unlink, then its exit, must leave the segment gone and the resource
+    tracker quiet (before Python 3.13, a second unregister of the name printed a KeyError traceback)."""
+    code = ("from kvcached.tiers.dram_shm import SlabPool\n"
+            "from radixserve.blocks.slab import SlabSegment, new_segment_name\n"
+            f"pool = SlabPool.create(new_segment_name(), {SLOT}, 4)\n"
+            f"client = SlabSegment.attach(pool.name, {SLOT}, 4)\n"
+            "client.close(); pool.close(); pool.unlink()\n"
+            "print(pool.name)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    assert "Traceback" not in child.stderr and "leaked" not in child.stderr, child.stderr
+    assert not os.path.exists(os.path.join(SHM_DIR, child.stdout.strip()))
+
+
 @pytest.mark.parametrize("name, pid", [
     ("radixserve_123_ab12cd34", 123),
     ("radixserve_123_", 123),

@@ -175,9 +175,12 @@ def check_slab_geometry(slot_bytes: int, num_slots: int) -> None:
 
 def _attach_untracked(name: str) -> SharedMemory:
     # NOTE: before Python 3.13 attaching registers the segment with the resource tracker, which unlinks it when
-    # this process exits, pulling the pool out from under the daemon that owns it. Unregister at once.
+    # this process exits, pulling the pool out from under the daemon that owns it. Unregister at once, unless this
+    # process created it (a benchmark or test in one process): the tracker keeps one entry a name, which is the
+    # creator's, and its unlink unregisters it (a second unregister prints a KeyError traceback from the tracker).
     if sys.version_info >= (3, 13):
         return SharedMemory(name, track=False)
     shm = SharedMemory(name)
-    resource_tracker.unregister(shm._name, "shared_memory")
+    if segment_pid(name) != os.getpid():
+        resource_tracker.unregister(shm._name, "shared_memory")
     return shm
