@@ -3,9 +3,10 @@
 On 2 cores the worker's forward keeps both busy with its OpenMP team, and a parallel region ends only when each of
 its threads has done its share: a thread of another process that takes a core stalls the whole forward. kvcached's
 L3 writer (checksums and LMDB writes of every committed block) is such a thread, yet nothing waits for it: it runs
-on idle cores while its backlog is small and at `BACKGROUND_NICE` when it grows (`DiskTier`). (The worker's kvcached
-client thread does not: it also re-registers the worker after a kvcached restart.) Populating a shared-memory
-segment's page tables (`SlabSegment.populate_in_background`) runs only on idle cores (`idle_current_thread`).
+on idle cores until its work turns urgent, then at normal priority (`DiskTier`), or at `BACKGROUND_NICE` all along
+where a thread cannot leave SCHED_IDLE again. (The worker's kvcached client thread does not: it also re-registers
+the worker after a kvcached restart.) Populating a shared-memory segment's page tables
+(`SlabSegment.populate_in_background`) runs only on idle cores (`idle_current_thread`).
 
 Such a thread must keep its system calls short. A kernel built `PREEMPT_NONE` (these hosts) preempts a thread only
 when it leaves the kernel, and the scheduler places a woken thread on a core that runs only SCHED_IDLE work as on an
@@ -41,37 +42,30 @@ def idle_current_thread() -> None:
         pass
 
 
-def background_current_thread(idle: bool) -> None:
-    """The calling thread on idle cores only (`idle_current_thread`), or else beside other work at
-    `BACKGROUND_NICE`, leaving SCHED_IDLE where that is allowed (`can_leave_idle` tells)."""
-    if idle:
-        idle_current_thread()
-    elif not normal_current_thread():
-        lower_current_thread_priority()
-
-
-def normal_current_thread() -> bool:
-    """Returns the calling thread from SCHED_IDLE to normal scheduling at `BACKGROUND_NICE`; False where that is
-    refused (leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of at least 20 - BACKGROUND_NICE: Docker's default
-    capabilities lack the first) or there are no per-thread policies."""
+def normal_thread(native_id: int | None = None) -> bool:
+    """Returns a thread of this process (the calling one by default) from SCHED_IDLE to normal scheduling at nice 0,
+    for background work that has turned urgent; False where that is refused (leaving SCHED_IDLE at nice 0 needs
+    CAP_SYS_NICE or an RLIMIT_NICE of 20: Docker's default capabilities lack the first) or there are no per-thread
+    policies. Another thread's call takes effect at once, even while the thread is inside a system call."""
+    tid = threading.get_native_id() if native_id is None else native_id
     try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_OTHER, os.sched_param(0))
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
     except (AttributeError, OSError):
         return False
-    lower_current_thread_priority()
     return True
 
 
 @functools.cache
 def can_leave_idle() -> bool:
-    """Whether a thread of this process may leave SCHED_IDLE again (`normal_current_thread`): tried once, on a
+    """Whether a thread of this process may leave SCHED_IDLE again (`normal_thread`): tried once, on a
     throwaway thread, so that no thread that must come back is left idle for good."""
     left = []
 
     def trial() -> None:
         if hasattr(os, "SCHED_IDLE"):
             idle_current_thread()
-            left.append(os.sched_getscheduler(0) == os.SCHED_IDLE and normal_current_thread())
+            left.append(os.sched_getscheduler(0) == os.SCHED_IDLE and normal_thread())
 
     thread = threading.Thread(target=trial, name="priority-trial")
     thread.start()

@@ -192,14 +192,15 @@ def test_full_queue_drops_and_counts(tmp_path, monkeypatch):
     assert tier.get(key(0)) is None
 
 
-def gate_writer(tier: DiskTier, monkeypatch) -> tuple[list[int], threading.Event, threading.Event]:
+def gate_writer(tier: DiskTier, monkeypatch) -> tuple[list, threading.Event, threading.Event]:
     """Holds the writer in each batch of puts until `release` is set (`entered` is set when it first waits there);
-    `policies` gets its scheduling policy in each batch."""
+    `policies` gets its scheduling policy in each batch: SCHED_IDLE, or SCHED_OTHER with its nice value."""
     policies, entered, release, write = [], threading.Event(), threading.Event(), tier._write
 
     def gated(puts):
         if puts:  # not the flush's barrier
-            policies.append(os.sched_getscheduler(0))
+            policy = os.sched_getscheduler(0)
+            policies.append(policy if policy == os.SCHED_IDLE else (policy, os.getpriority(os.PRIO_PROCESS, 0)))
         entered.set()
         release.wait(10)
         write(puts)
@@ -211,7 +212,7 @@ def gate_writer(tier: DiskTier, monkeypatch) -> tuple[list[int], threading.Event
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
     """Idle cores only (SCHED_IDLE) while three quarters of the queue's bound or less waits; past it, normal
-    scheduling (at background nice) until the backlog halves."""
+    scheduling at nice 0 until the backlog halves."""
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=7 * N, max_batch_blocks=1)  # urgent past 5.25 N
     policies, entered, release = gate_writer(tier, monkeypatch)
     assert tier.put_async(NS, key(0), parent(0), payload(0))
@@ -219,13 +220,13 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
     assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in range(1, 7))
     release.set()  # blocks 1 to 6 are taken with backlogs of 6 N, 5 N, ... N
     assert tier.flush(timeout=10) and stored(tier) == set(range(7))
-    assert policies == [os.SCHED_IDLE] + [os.SCHED_OTHER] * 4 + [os.SCHED_IDLE] * 2
+    assert policies == [os.SCHED_IDLE] + [(os.SCHED_OTHER, 0)] * 4 + [os.SCHED_IDLE] * 2
     tier.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monkeypatch):
-    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling for `URGE_S`."""
+    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling, nice 0, for `URGE_S`."""
     monkeypatch.setattr(lmdb_tier, "URGE_S", 2.0)  # room for blocks 1 and 2 to be taken, however loaded the host
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
     policies, entered, release = gate_writer(tier, monkeypatch)
@@ -237,7 +238,25 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
     assert tier.flush(timeout=10)
     time.sleep(2.1)  # the urge lapses
     put(tier, 3)
-    assert policies == [os.SCHED_IDLE, os.SCHED_OTHER, os.SCHED_OTHER, os.SCHED_IDLE]
+    assert policies == [os.SCHED_IDLE, (os.SCHED_OTHER, 0), (os.SCHED_OTHER, 0), os.SCHED_IDLE]
+    tier.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
+def test_an_urge_moves_a_writer_off_idle_cores_in_the_middle_of_a_write(tmp_path, monkeypatch):
+    """Beside busy cores a SCHED_IDLE writer may not return from a commit for a second: `urge` changes its policy
+    from the urging thread, while the writer is still inside its batch."""
+    tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
+    policies, entered, release = gate_writer(tier, monkeypatch)
+    assert tier.put_async(NS, key(0), parent(0), payload(0))
+    assert entered.wait(10)
+    writer = tier._writer.native_id
+    assert os.sched_getscheduler(writer) == os.SCHED_IDLE
+    tier.urge()
+    assert (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (os.SCHED_OTHER, 0)
+    release.set()
+    assert tier.flush(timeout=10) and stored(tier) == {0}
+    assert policies == [os.SCHED_IDLE]  # its batch began idle
     tier.close()
 
 

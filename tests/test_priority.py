@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from radixserve.priority import (BACKGROUND_NICE, can_leave_idle, idle_current_thread, lower_current_thread_priority,
-                                 normal_current_thread)
+                                 normal_thread)
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
@@ -43,16 +43,17 @@ def test_idle_thread_runs_under_sched_idle_and_the_caller_does_not():
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
-def test_an_idle_thread_comes_back_to_normal_scheduling_at_background_nice():
+def test_an_idle_thread_comes_back_to_normal_scheduling_at_nice_0():
     seen = {}
 
     def background() -> None:
+        lower_current_thread_priority()
         idle_current_thread()
         seen["idle"] = os.sched_getscheduler(0)
-        seen["back"] = normal_current_thread()
+        seen["back"] = normal_thread()
         seen["after"] = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     thread = threading.Thread(target=background)
     thread.start()
     thread.join()
-    assert seen == {"idle": os.SCHED_IDLE, "back": True, "after": (os.SCHED_OTHER, BACKGROUND_NICE)}
+    assert seen == {"idle": os.SCHED_IDLE, "back": True, "after": (os.SCHED_OTHER, 0)}

@@ -86,7 +86,7 @@ import numpy as np
 import xxhash
 
 from radixserve.blocks.keys import DIGEST_BYTES, BlockHash
-from radixserve.priority import background_current_thread, can_leave_idle
+from radixserve.priority import can_leave_idle, idle_current_thread, lower_current_thread_priority, normal_thread
 
 log = logging.getLogger("kvcached.tiers.lmdb")
 
@@ -203,8 +203,8 @@ class DiskTier:
         """Opens (creating if needed) the environment in directory `path`. Raises ValueError for a non-positive
         budget or batch limit, DiskTierError when the path cannot hold an environment. `map_size` overrides the
         derived map size (tests use it to fill the map); `read_delay_s` sleeps in every read (tests only). The
-        writer leaves idle cores for background priority at a backlog of three quarters of `max_queue_bytes`, or
-        when urged (`urge`, `_run`)."""
+        writer leaves idle cores for normal priority at a backlog of three quarters of `max_queue_bytes`, or when
+        urged (`urge`, `_run`)."""
         if min(budget_bytes, max_batch_blocks, max_batch_bytes, max_queue_bytes) <= 0:
             raise ValueError("budget_bytes, max_queue_bytes and the batch limits must be positive")
         self.path = os.fspath(path)
@@ -221,6 +221,8 @@ class DiskTier:
         self._events: list[TierEvent] = []
         self._bytes_used = self._queued = 0
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
+        self._may_idle = can_leave_idle()
+        self._writer_idle: bool | None = None  # whether the writer runs at SCHED_IDLE (None: not decided yet)
         self._quiet_at = 0.0  # monotonic; set by `note_request`
         self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
         self._flushes_pending = 0  # flushes whose barrier the writer has not reached: no put waits for quiet meanwhile
@@ -255,6 +257,8 @@ class DiskTier:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued += source.nbytes
+            if self._queued > self._urgent_bytes:
+                self._leave_idle_locked()
         self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, source))
         return True
 
@@ -281,9 +285,11 @@ class DiskTier:
 
     def urge(self) -> None:
         """Some queued block has lost its other copy (L2 evicted it, and its bytes wait in memory until written): the
-        writer leaves idle cores for background priority, whatever its backlog, and stops waiting for quiet, for the
-        next `URGE_S` seconds."""
-        self._urged_until = time.monotonic() + URGE_S
+        writer leaves idle cores for normal priority at once, whatever its backlog, and stops waiting for quiet, for
+        the next `URGE_S` seconds."""
+        with self._lock:
+            self._urged_until = time.monotonic() + URGE_S
+            self._leave_idle_locked()
         self._wake.set()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -411,28 +417,35 @@ class DiskTier:
     def _run(self) -> None:
         """The writer loop: each pass drains a batch of queued ops and applies them; exits after _STOP. No request
         waits for a write, and a queued block is also in L2 until L2 evicts it, so the writer runs on idle cores only
-        (SCHED_IDLE) unless some queued block has lost that copy (`urge`: L2 evicted it, and until it is written it
-        exists only in memory, where a revisit cannot find it) or the backlog passes `_urgent_bytes` (three quarters
-        of the queue's bound, where writes would start to drop); then beside the requests at background priority, until
-        the urge lapses and the backlog halves. Otherwise a batch of puts also waits for a quiet spell
-        (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`), always at background
-        priority. The no-reuse workload, 3 runs of 8 requests of 256 tokens, alternating:
-        decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10. The bound was 256 MiB, escalating past
-        192, until the peers' four workloads (~460 MB committed in ~50 s, L2 never full) escalated it in their last
-        runs: no-reuse inter-token latency 27.8 and 25.9 ms there against 20.6-21.0 before (docs/design.md section
-        9)."""
-        may_idle = can_leave_idle()
-        idle: bool | None = None
+        (SCHED_IDLE) unless its work turns urgent: some queued block has lost that copy (`urge`: L2 evicted it, and
+        until it is written it exists only in memory, where a revisit cannot find it) or the backlog passes
+        `_urgent_bytes` (three quarters of the queue's bound, where writes would start to drop). Then it runs at
+        normal priority, nice 0, until the urge lapses and the backlog halves. Otherwise a batch of puts also waits
+        for a quiet spell (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`), it
+        runs at `BACKGROUND_NICE` all along.
+
+        Urgent writes ran at nice 10 until 2026-12-07, switched by the writer at its next batch: beside a revisit's
+        forwards each commit then took 2.7 ms median, 35 ms p90 and up to 1.4 s, at SCHED_IDLE up to 1.1 s; 2-35
+        blocks a second were stored against ~80 committed, a revisited document was still queued, and `make bench`'s
+        revisit took 0-0.053 of its prompt tokens from L3 under `timeout` (9 runs). At nice 0, switched at once by
+        the urging thread (`_leave_idle_locked`): 0.195 in 2 of 2 runs, all that L3 can serve there (docs/design.md
+        section 9). Idle cores matter where the work is not urgent: the no-reuse workload, 3 runs of 8 requests of
+        256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10."""
+        if not self._may_idle:
+            lower_current_thread_priority()
         while True:
             ops = self._drain()
             if all(isinstance(op, _Put) for op in ops):
                 self._await_quiet()
             with self._lock:
-                backlog = self._queued
-            limit = self._urgent_bytes if idle is not False else self._urgent_bytes // 2
-            if (now_idle := may_idle and backlog <= limit and not self._urged()) != idle:
-                idle = now_idle
-                background_current_thread(idle)
+                limit = self._urgent_bytes if self._writer_idle is not False else self._urgent_bytes // 2
+                idle = self._queued <= limit and not self._urged()
+                if self._may_idle and idle != self._writer_idle:
+                    self._writer_idle = idle
+                    if idle:
+                        idle_current_thread()
+                    else:
+                        normal_thread()
             try:
                 self._apply(ops)
             except Exception as exc:  # never let the writer die: barriers and later writes still need it
@@ -462,6 +475,14 @@ class DiskTier:
 
     def _urged(self) -> bool:
         return time.monotonic() < self._urged_until
+
+    def _leave_idle_locked(self) -> None:
+        """The writer's work turned urgent (called with the lock held, on any thread): the writer leaves SCHED_IDLE
+        now, not at its next batch. Inside a commit beside busy cores, a SCHED_IDLE writer took up to 1.1 s to return
+        (the kernel is `PREEMPT_NONE`, but a sync sleeps, and the woken thread waits for an idle core)."""
+        if self._writer_idle:
+            self._writer_idle = False
+            normal_thread(self._writer.native_id)
 
     def _drain(self) -> list:
         """The next batch: blocks for one op, then takes what is queued, up to the batch limits or a _STOP."""
