@@ -147,6 +147,27 @@ def test_a_process_attaching_its_own_segment_exits_cleanly():
     assert not os.path.exists(os.path.join(SHM_DIR, child.stdout.strip()))
 
 
+def test_a_client_whose_pid_is_in_the_name_still_leaves_the_segment_to_its_owner(pool):
+    """Containers sharing /dev/shm have pid namespaces of their own: a worker may run under the pid that kvcached's
+    segment name carries. It did not create the segment, so its exit must not unlink it."""
+    code = ("import os\n"
+            "from radixserve.blocks.slab import SlabSegment\n"
+            f"name = {pool.name!r}.replace({str(segment_pid(pool.name))!r}, str(os.getpid()), 1)\n"
+            "os.link('/dev/shm/' + " + repr(pool.name) + ", '/dev/shm/' + name)\n"
+            f"p = SlabSegment.attach(name, {SLOT}, 4)\n"
+            "p.close()\n"
+            "print(name)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    alias = os.path.join(SHM_DIR, child.stdout.strip())
+    try:
+        assert os.path.exists(alias), "the client's exit unlinked a segment it had only attached"
+    finally:
+        if os.path.exists(alias):
+            os.unlink(alias)
+
+
 @pytest.mark.parametrize("name, pid", [
     ("radixserve_123_ab12cd34", 123),
     ("radixserve_123_", 123),

@@ -21,6 +21,7 @@ from radixserve.blocks.slab import (
     SHM_DIR,
     SlabSegment,
     check_slab_geometry,
+    create_segment,
     segment_bytes,
     segment_pid,
 )
@@ -52,7 +53,7 @@ class SlabPool:
         size = segment_bytes(slot_bytes, num_slots)
         if os.path.isdir(SHM_DIR) and _free_bytes(SHM_DIR) < size:
             raise ValueError(f"{SHM_DIR} has {_free_bytes(SHM_DIR)} bytes free, the pool needs {size}")
-        pool = cls(SharedMemory(name, create=True, size=size), slot_bytes, num_slots)
+        pool = cls(create_segment(name, size), slot_bytes, num_slots)
         pool.segment.populate_in_background()
         return pool
 

@@ -173,14 +173,25 @@ def check_slab_geometry(slot_bytes: int, num_slots: int) -> None:
         raise ValueError(f"slot_bytes and num_slots must be >= 1, got {slot_bytes} and {num_slots}")
 
 
+_created_here: set[str] = set()  # names of the segments this process created (`create_segment`)
+
+
+def create_segment(name: str, size: int) -> SharedMemory:
+    """Creates segment `name` of `size` bytes, owned (and unlinked at exit, if still there) by this process."""
+    shm = SharedMemory(name, create=True, size=size)
+    _created_here.add(name)
+    return shm
+
+
 def _attach_untracked(name: str) -> SharedMemory:
     # NOTE: before Python 3.13 attaching registers the segment with the resource tracker, which unlinks it when
     # this process exits, pulling the pool out from under the daemon that owns it. Unregister at once, unless this
     # process created it (a benchmark or test in one process): the tracker keeps one entry a name, which is the
     # creator's, and its unlink unregisters it (a second unregister prints a KeyError traceback from the tracker).
+    # Not the pid in the name: containers sharing /dev/shm have pid namespaces of their own, where pids repeat.
     if sys.version_info >= (3, 13):
         return SharedMemory(name, track=False)
     shm = SharedMemory(name)
-    if segment_pid(name) != os.getpid():
+    if name not in _created_here:
         resource_tracker.unregister(shm._name, "shared_memory")
     return shm
