@@ -42,15 +42,15 @@ def idle_current_thread() -> None:
         pass
 
 
-def normal_thread(native_id: int | None = None) -> bool:
-    """Returns a thread of this process (the calling one by default) from SCHED_IDLE to normal scheduling at nice 0,
+def normal_thread(native_id: int | None = None, nice: int = 0) -> bool:
+    """Returns a thread of this process (the calling one by default) from SCHED_IDLE to normal scheduling at `nice`,
     for background work that has turned urgent; False where that is refused (leaving SCHED_IDLE at nice 0 needs
     CAP_SYS_NICE or an RLIMIT_NICE of 20: Docker's default capabilities lack the first) or there are no per-thread
     policies. Another thread's call takes effect at once, even while the thread is inside a system call."""
     tid = threading.get_native_id() if native_id is None else native_id
     try:
         os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, tid, 0)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     except (AttributeError, OSError):
         return False
     return True

@@ -217,7 +217,11 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
     policies, entered, release = gate_writer(tier, monkeypatch)
     assert tier.put_async(NS, key(0), parent(0), payload(0))
     assert entered.wait(10)  # block 0 taken with a backlog of N
-    assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in range(1, 7))
+    writer = tier._writer.native_id
+    assert all(tier.put_async(NS, key(i), parent(i), payload(i)) for i in range(1, 6))
+    assert os.sched_getscheduler(writer) == os.SCHED_IDLE  # a backlog of 5 N
+    assert tier.put_async(NS, key(6), parent(6), payload(6))
+    assert os.sched_getscheduler(writer) == os.SCHED_OTHER  # 6 N: moved by the put, inside the writer's batch
     release.set()  # blocks 1 to 6 are taken with backlogs of 6 N, 5 N, ... N
     assert tier.flush(timeout=10) and stored(tier) == set(range(7))
     assert policies == [os.SCHED_IDLE] + [(os.SCHED_OTHER, 0)] * 4 + [os.SCHED_IDLE] * 2

@@ -222,7 +222,9 @@ class DiskTier:
         self._bytes_used = self._queued = 0
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
         self._may_idle = can_leave_idle()
-        self._writer_idle: bool | None = None  # whether the writer runs at SCHED_IDLE (None: not decided yet)
+        self._nice = os.getpriority(os.PRIO_PROCESS, 0)  # the daemon's: what urgent writes run at
+        self._writer_idle = self._may_idle  # the writer's last choice was SCHED_IDLE (its first will be, unless
+        # its work is urgent); only the writer sets it
         self._quiet_at = 0.0  # monotonic; set by `note_request`
         self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
         self._flushes_pending = 0  # flushes whose barrier the writer has not reached: no put waits for quiet meanwhile
@@ -257,8 +259,9 @@ class DiskTier:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued += source.nbytes
-            if self._queued > self._urgent_bytes:
-                self._leave_idle_locked()
+            urgent = self._queued > self._urgent_bytes
+        if urgent:
+            self._leave_idle()
         self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, source))
         return True
 
@@ -287,9 +290,8 @@ class DiskTier:
         """Some queued block has lost its other copy (L2 evicted it, and its bytes wait in memory until written): the
         writer leaves idle cores for normal priority at once, whatever its backlog, and stops waiting for quiet, for
         the next `URGE_S` seconds."""
-        with self._lock:
-            self._urged_until = time.monotonic() + URGE_S
-            self._leave_idle_locked()
+        self._urged_until = time.monotonic() + URGE_S
+        self._leave_idle()
         self._wake.set()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -428,7 +430,7 @@ class DiskTier:
         forwards each commit then took 2.7 ms median, 35 ms p90 and up to 1.4 s, at SCHED_IDLE up to 1.1 s; 2-35
         blocks a second were stored against ~80 committed, a revisited document was still queued, and `make bench`'s
         revisit took 0-0.053 of its prompt tokens from L3 under `timeout` (9 runs). At nice 0, switched at once by
-        the urging thread (`_leave_idle_locked`): 0.195 in 2 of 2 runs, all that L3 can serve there (docs/design.md
+        the urging thread (`_leave_idle`): 0.195 in 2 of 2 runs, all that L3 can serve there (docs/design.md
         section 9). Idle cores matter where the work is not urgent: the no-reuse workload, 3 runs of 8 requests of
         256 tokens, alternating: decode steps 16.2-16.9 ms (median) idle against 19.0-20.3 at nice 10."""
         if not self._may_idle:
@@ -437,15 +439,7 @@ class DiskTier:
             ops = self._drain()
             if all(isinstance(op, _Put) for op in ops):
                 self._await_quiet()
-            with self._lock:
-                limit = self._urgent_bytes if self._writer_idle is not False else self._urgent_bytes // 2
-                idle = self._queued <= limit and not self._urged()
-                if self._may_idle and idle != self._writer_idle:
-                    self._writer_idle = idle
-                    if idle:
-                        idle_current_thread()
-                    else:
-                        normal_thread()
+            self._choose_priority()
             try:
                 self._apply(ops)
             except Exception as exc:  # never let the writer die: barriers and later writes still need it
@@ -457,6 +451,7 @@ class DiskTier:
                             self._flushes_pending -= 1
                         op.done.set()
             if ops[-1] is _STOP:
+                self._writer_idle = False  # nothing may change this thread's priority once it is gone
                 return
 
     def _await_quiet(self) -> None:
@@ -476,13 +471,34 @@ class DiskTier:
     def _urged(self) -> bool:
         return time.monotonic() < self._urged_until
 
-    def _leave_idle_locked(self) -> None:
-        """The writer's work turned urgent (called with the lock held, on any thread): the writer leaves SCHED_IDLE
+    def _urgent(self) -> bool:
+        """Whether the writer's work is urgent: urged, or a backlog past `_urgent_bytes` (past half of it while the
+        writer is off idle cores already, so that it does not flip at the bound)."""
+        limit = self._urgent_bytes if self._writer_idle else self._urgent_bytes // 2
+        return self._urged() or self._queued > limit
+
+    def _choose_priority(self) -> None:
+        """The writer, before each batch: SCHED_IDLE unless its work is urgent, else normal priority at the daemon's
+        nice. Set every batch, since `_leave_idle` may have moved it meanwhile. `_writer_idle` is set before the
+        thread goes idle and urgency is read again after, so an urge racing with this call always ends with the
+        writer at normal priority, without a lock: a SCHED_IDLE thread preempted while holding one would stall
+        whoever waits for it until a core idles."""
+        if not self._may_idle:
+            return
+        self._writer_idle = not self._urgent()
+        if self._writer_idle:
+            idle_current_thread()
+            if not self._urgent():
+                return
+            self._writer_idle = False
+        normal_thread(nice=self._nice)
+
+    def _leave_idle(self) -> None:
+        """The writer's work turned urgent (any thread, after setting what made it so): the writer leaves SCHED_IDLE
         now, not at its next batch. Inside a commit beside busy cores, a SCHED_IDLE writer took up to 1.1 s to return
         (the kernel is `PREEMPT_NONE`, but a sync sleeps, and the woken thread waits for an idle core)."""
         if self._writer_idle:
-            self._writer_idle = False
-            normal_thread(self._writer.native_id)
+            normal_thread(self._writer.native_id, self._nice)
 
     def _drain(self) -> list:
         """The next batch: blocks for one op, then takes what is queued, up to the batch limits or a _STOP."""
