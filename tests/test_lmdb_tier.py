@@ -212,7 +212,7 @@ def gate_writer(tier: DiskTier, monkeypatch) -> tuple[list, threading.Event, thr
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeypatch):
     """Idle cores only (SCHED_IDLE) while three quarters of the queue's bound or less waits; past it, normal
-    scheduling at nice 0 until the backlog halves."""
+    scheduling at the daemon's nice until the backlog halves."""
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=7 * N, max_batch_blocks=1)  # urgent past 5.25 N
     policies, entered, release = gate_writer(tier, monkeypatch)
     assert tier.put_async(NS, key(0), parent(0), payload(0))
@@ -224,13 +224,13 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
     assert os.sched_getscheduler(writer) == os.SCHED_OTHER  # 6 N: moved by the put, inside the writer's batch
     release.set()  # blocks 1 to 6 are taken with backlogs of 6 N, 5 N, ... N
     assert tier.flush(timeout=10) and stored(tier) == set(range(7))
-    assert policies == [os.SCHED_IDLE] + [(os.SCHED_OTHER, 0)] * 4 + [os.SCHED_IDLE] * 2
+    assert policies == [os.SCHED_IDLE] + [(os.SCHED_OTHER, tier._nice)] * 4 + [os.SCHED_IDLE] * 2
     tier.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monkeypatch):
-    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling, nice 0, for `URGE_S`."""
+    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling, at the daemon's nice, for `URGE_S`."""
     monkeypatch.setattr(lmdb_tier, "URGE_S", 2.0)  # room for blocks 1 and 2 to be taken, however loaded the host
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
     policies, entered, release = gate_writer(tier, monkeypatch)
@@ -242,7 +242,7 @@ def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monke
     assert tier.flush(timeout=10)
     time.sleep(2.1)  # the urge lapses
     put(tier, 3)
-    assert policies == [os.SCHED_IDLE, (os.SCHED_OTHER, 0), (os.SCHED_OTHER, 0), os.SCHED_IDLE]
+    assert policies == [os.SCHED_IDLE, (os.SCHED_OTHER, tier._nice), (os.SCHED_OTHER, tier._nice), os.SCHED_IDLE]
     tier.close()
 
 
@@ -257,7 +257,7 @@ def test_an_urge_moves_a_writer_off_idle_cores_in_the_middle_of_a_write(tmp_path
     writer = tier._writer.native_id
     assert os.sched_getscheduler(writer) == os.SCHED_IDLE
     tier.urge()
-    assert (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (os.SCHED_OTHER, 0)
+    assert (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (os.SCHED_OTHER, tier._nice)
     release.set()
     assert tier.flush(timeout=10) and stored(tier) == {0}
     assert policies == [os.SCHED_IDLE]  # its batch began idle

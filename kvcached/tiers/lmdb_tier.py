@@ -422,7 +422,7 @@ class DiskTier:
         (SCHED_IDLE) unless its work turns urgent: some queued block has lost that copy (`urge`: L2 evicted it, and
         until it is written it exists only in memory, where a revisit cannot find it) or the backlog passes
         `_urgent_bytes` (three quarters of the queue's bound, where writes would start to drop). Then it runs at
-        normal priority, nice 0, until the urge lapses and the backlog halves. Otherwise a batch of puts also waits
+        normal priority, at the daemon's nice, until the urge lapses and the backlog halves. Otherwise a batch of puts also waits
         for a quiet spell (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`), it
         runs at `BACKGROUND_NICE` all along.
 
@@ -485,13 +485,13 @@ class DiskTier:
         whoever waits for it until a core idles."""
         if not self._may_idle:
             return
-        self._writer_idle = not self._urgent()
-        if self._writer_idle:
+        if not self._urgent():
+            self._writer_idle = True
             idle_current_thread()
             if not self._urgent():
                 return
-            self._writer_idle = False
         normal_thread(nice=self._nice)
+        self._writer_idle = False  # after the move: an urge meanwhile still moves it
 
     def _leave_idle(self) -> None:
         """The writer's work turned urgent (any thread, after setting what made it so): the writer leaves SCHED_IDLE
