@@ -118,14 +118,20 @@ def test_close_refuses_while_a_view_is_alive(pool):
     other.close()
 
 
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter at the repository's root; it must exit 0."""
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    return child
+
+
 def test_a_client_exiting_does_not_unlink_the_segment(pool):
     code = (f"from radixserve.blocks.slab import SlabSegment\n"
             f"p = SlabSegment.attach({pool.name!r}, {SLOT}, 4)\n"
             f"p.view(3)[:2] = b'ok'\n"
             f"p.close()\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           cwd=Path(__file__).parent.parent)
-    assert child.returncode == 0, child.stderr
+    child = run_python(code)
     assert "leaked" not in child.stderr
     assert os.path.exists(os.path.join(SHM_DIR, pool.name))
     assert bytes(pool.view(3)[:2]) == b"ok"
@@ -140,9 +146,7 @@ def test_a_process_attaching_its_own_segment_exits_cleanly():
             f"client = SlabSegment.attach(pool.name, {SLOT}, 4)\n"
             "client.close(); pool.close(); pool.unlink()\n"
             "print(pool.name)\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           cwd=Path(__file__).parent.parent)
-    assert child.returncode == 0, child.stderr
+    child = run_python(code)
     assert "Traceback" not in child.stderr and "leaked" not in child.stderr, child.stderr
     assert not os.path.exists(os.path.join(SHM_DIR, child.stdout.strip()))
 
@@ -157,9 +161,7 @@ def test_a_client_whose_pid_is_in_the_name_still_leaves_the_segment_to_its_owner
             f"p = SlabSegment.attach(name, {SLOT}, 4)\n"
             "p.close()\n"
             "print(name)\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           cwd=Path(__file__).parent.parent)
-    assert child.returncode == 0, child.stderr
+    child = run_python(code)
     alias = os.path.join(SHM_DIR, child.stdout.strip())
     try:
         assert os.path.exists(alias), "the client's exit unlinked a segment it had only attached"
