@@ -259,8 +259,9 @@ class DiskTier:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued += source.nbytes
-            urgent = self._queued > self._urgent_bytes
-        if urgent:
+            # only the put that crosses the bound: the writer goes idle again only at or below it (`_urgent`)
+            crossed = self._queued - source.nbytes <= self._urgent_bytes < self._queued
+        if crossed:
             self._leave_idle()
         self._queue.put(_Put(bytes(block_hash), bytes(parent_hash), ns, source))
         return True
