@@ -157,7 +157,7 @@ def test_a_client_whose_pid_is_in_the_name_still_leaves_the_segment_to_its_owner
     code = ("import os\n"
             "from radixserve.blocks.slab import SlabSegment\n"
             f"name = {pool.name!r}.replace({str(segment_pid(pool.name))!r}, str(os.getpid()), 1)\n"
-            "os.link('/dev/shm/' + " + repr(pool.name) + ", '/dev/shm/' + name)\n"
+            f"os.link(os.path.join({SHM_DIR!r}, {pool.name!r}), os.path.join({SHM_DIR!r}, name))\n"
             f"p = SlabSegment.attach(name, {SLOT}, 4)\n"
             "p.close()\n"
             "print(name)\n")

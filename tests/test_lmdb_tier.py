@@ -230,7 +230,8 @@ def test_the_writer_runs_on_idle_cores_until_its_backlog_grows(tmp_path, monkeyp
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not can_leave_idle(), reason="no SCHED_IDLE, or no way back here")
 def test_an_urged_writer_leaves_idle_cores_until_the_urge_lapses(tmp_path, monkeypatch):
-    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling, at the daemon's nice, for `URGE_S`."""
+    """A small backlog stays on idle cores; after `urge` the writer runs at normal scheduling, at the daemon's nice,
+    for `URGE_S`."""
     monkeypatch.setattr(lmdb_tier, "URGE_S", 2.0)  # room for blocks 1 and 2 to be taken, however loaded the host
     tier = DiskTier(tmp_path, budget_bytes=1 << 20, max_queue_bytes=100 * N, max_batch_blocks=1)
     policies, entered, release = gate_writer(tier, monkeypatch)

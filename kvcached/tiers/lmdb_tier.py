@@ -223,8 +223,8 @@ class DiskTier:
         self._urged_until = 0.0  # monotonic; the writer's, set by `urge` on any thread
         self._may_idle = can_leave_idle()
         self._nice = os.getpriority(os.PRIO_PROCESS, 0)  # the daemon's: what urgent writes run at
-        self._writer_idle = self._may_idle  # the writer's last choice was SCHED_IDLE (its first will be, unless
-        # its work is urgent); only the writer sets it
+        # the writer's last choice was SCHED_IDLE (its first will be, unless urgent); only the writer sets it
+        self._writer_idle = self._may_idle
         self._quiet_at = 0.0  # monotonic; set by `note_request`
         self._wake = threading.Event()  # ends the writer's wait for quiet early: an urge, a flush, close
         self._flushes_pending = 0  # flushes whose barrier the writer has not reached: no put waits for quiet meanwhile
@@ -423,9 +423,9 @@ class DiskTier:
         (SCHED_IDLE) unless its work turns urgent: some queued block has lost that copy (`urge`: L2 evicted it, and
         until it is written it exists only in memory, where a revisit cannot find it) or the backlog passes
         `_urgent_bytes` (three quarters of the queue's bound, where writes would start to drop). Then it runs at
-        normal priority, at the daemon's nice, until the urge lapses and the backlog halves. Otherwise a batch of puts also waits
-        for a quiet spell (`_await_quiet`). Where the thread could not leave SCHED_IDLE again (`can_leave_idle`), it
-        runs at `BACKGROUND_NICE` all along.
+        normal priority, at the daemon's nice, until the urge lapses and the backlog halves. Otherwise a batch of
+        puts also waits for a quiet spell (`_await_quiet`). Where the thread could not leave SCHED_IDLE again
+        (`can_leave_idle`), it runs at `BACKGROUND_NICE` all along.
 
         Urgent writes ran at nice 10 until 2026-12-07, switched by the writer at its next batch: beside a revisit's
         forwards each commit then took 2.7 ms median, 35 ms p90 and up to 1.4 s, at SCHED_IDLE up to 1.1 s; 2-35
