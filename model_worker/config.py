@@ -48,6 +48,10 @@ class EngineConfig(TransportSecurity):
     kvcached_timeout_ms: int = setting(500, "deadline of each kvcached call; a slow daemon costs reuse, not requests")
     disable_jump_forward: bool = setting(False, "decode what a grammar forces token by token, instead of verifying "
                                                 "it as a draft in one forward (greedy constrained requests)")
+    speculative_tokens: int = setting(0, "greedy requests: verify up to this many tokens looked up in the "
+                                         "sequence's own text in each decode (prompt lookup, "
+                                         "`model_worker.speculation`): the same output in fewer steps, but "
+                                         "sequences of one batch then end apart; with the CPU kernels; 0 = off")
     disable_cpu_kernels: bool = setting(False, "run linears on oneDNN and norms, RoPE, SiLU and attention "
                                                "on torch's ops (SDPA over gathered K/V) instead of the fused float32 "
                                                "CPU kernels (built once per machine with g++)")
@@ -61,6 +65,8 @@ class EngineConfig(TransportSecurity):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.arrival_window_ms <= 1000:
             raise ValueError(f"--arrival-window-ms must be in [0, 1000], got {self.arrival_window_ms}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"--speculative-tokens must be in [0, 16], got {self.speculative_tokens}")
         if self.num_pages < 0 or (self.num_pages == 0 and self.l1_cache_size_gb <= 0):
             raise ValueError("--num-pages must be >= 0, and --l1-cache-size-gb > 0 when --num-pages is 0")
 

@@ -33,7 +33,8 @@ Jump-forward: after each token of a greedy constrained sequence, the string its 
 closing quote) is tokenized into a draft (`_propose`), and the next decode runs the sampled token and the draft in
 one forward, one logits row per position. Row j's masked argmax is what a decode step after draft[:j] would choose:
 draft tokens are taken while they agree with it, then its own choice (`_verify`); so the output is token-by-token
-greedy decoding's, in fewer forwards. `--disable-jump-forward` turns it off.
+greedy decoding's, in fewer forwards. `--disable-jump-forward` turns it off. With `--speculative-tokens N`, other
+greedy sequences get drafts the same way, looked up in their own text (`model_worker.speculation`).
 
 A request of `n` samples is one sequence until its prefill ends; then it forks `n - 1` more (`_fork`), which share
 its prompt's full pages (a partial last page is copied) and its cached-path lease, and sample their first tokens
@@ -61,7 +62,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_worker import cpu_kernels
-from model_worker.attention import Chunk, select_backend
+from model_worker.attention import Chunk, PagedCpuBackend, select_backend
 from model_worker.block_copy import block_copy_for
 from model_worker.config import DType, EngineConfig
 from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
@@ -74,6 +75,7 @@ from model_worker.prefix_cache import CacheRequest, CacheState, PrefixCache
 from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
 from model_worker.sampler import SAMPLING_EPS, SamplingRow, make_generator, sample, token_logprobs
 from model_worker.scheduler import ScheduledChunk, Scheduler, Sequence, pages_needed
+from model_worker.speculation import NgramDrafter
 from radixserve.blocks.geometry import BlockGeometry
 
 if TYPE_CHECKING:
@@ -85,6 +87,10 @@ log = logging.getLogger("model_worker.engine")
 # 3.0-3.8 ms (docs/design.md section 9).
 GIL_SWITCH_INTERVAL_S = 0.0005
 GREEDY_ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, generator=None)
+# Most decode rows a step's prompt-lookup drafts may bring it to: 4 sequences get 2 tokens each. A decode is bound by
+# reading the weights up to about that many rows (the model's linears at 4, 12, 16 and 20 rows: 11.4, 12.4, 13.5 and
+# 15.3 ms; AMD EPYC, 2 cores).
+DRAFT_ROWS = 12
 
 
 class Overloaded(RuntimeError):
@@ -190,6 +196,8 @@ class Engine:
         self.model.bind(backend, rope_tables(hf_config, shape.head_dim, shape.max_position_embeddings, self.dtype,
                                              self.device))
         self.backend = backend
+        # a draft's rows must compute as each would alone (`model_worker.speculation`): the CPU kernels' rows do
+        self._speculative_tokens = config.speculative_tokens if isinstance(backend, PagedCpuBackend) else 0
         self.info = self._make_info(model_dir, hf_config, kernels)
         self._eos = frozenset(self.info.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
@@ -424,15 +432,20 @@ class Engine:
         return True
 
     def _propose(self, seq: Sequence) -> None:
-        """Jump-forward: the tokens of the string `seq`'s grammar forces next become its draft, which the next
-        decode verifies in the same forward (`_verify`). Greedy constrained sequences only: for them verifying is
-        exact; within the pages reserved for the sequence."""
-        if self.config.disable_jump_forward or seq.matcher is None or seq.generator is not None or seq.finished:
+        """The draft the next decode of greedy `seq` verifies in the same forward (`_verify`), within the pages
+        reserved for the sequence: for a constrained sequence the tokens of the string its grammar forces next
+        (jump-forward); for another, up to `speculative_tokens` looked up in its own text (`NgramDrafter`), fewer
+        when many run (a step's decode rows stay within `DRAFT_ROWS`)."""
+        if seq.generator is not None or seq.finished:
             return
-        forced = seq.matcher.find_jump_forward_string()
-        if forced:
-            room = seq.max_tokens - 1 - len(seq.token_ids)
-            seq.draft = self.tokenizer.encode(forced, add_special_tokens=False)[:room]
+        room = seq.max_tokens - 1 - len(seq.token_ids)
+        if seq.matcher is not None:
+            forced = None if self.config.disable_jump_forward else seq.matcher.find_jump_forward_string()
+            if forced:
+                seq.draft = self.tokenizer.encode(forced, add_special_tokens=False)[:room]
+        elif self._speculative_tokens:
+            wanted = min(self._speculative_tokens, room, DRAFT_ROWS // len(self.scheduler.running) - 1)
+            seq.draft = seq.drafter.propose(seq.token_ids, wanted)
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Greedy decoding over a decode chunk with a draft: row j's masked argmax is the token after draft[:j], as
@@ -443,9 +456,11 @@ class Engine:
         draft, seq.draft = seq.draft, []
         raw = torch.log_softmax(logits, dim=-1) if seq.sampling.logprobs else None  # a copy: masking changes logits
         seq.num_computed = chunk.start + 1
+        # a constrained row's mask depends on the tokens taken before it; unconstrained rows are chosen at once
+        choices = None if seq.matcher is not None else sample(logits, [GREEDY_ROW] * len(logits))
         for j in range(len(draft) + 1):
-            (token,) = sample(logits[j:j + 1], [GREEDY_ROW],
-                              lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
+            (token,) = choices[j:j + 1] if choices is not None else sample(
+                logits[j:j + 1], [GREEDY_ROW], lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
             logprob = (None if raw is None or token is None
                        else token_logprobs(raw[j:j + 1], [token], [seq.sampling.top_logprobs])[0])
             if not self._take(seq, token, logprob):
@@ -464,6 +479,7 @@ class Engine:
             seed = None if sampling.seed is None else (sampling.seed + index) % 2**64
             sample = dataclasses.replace(
                 seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[], draft=[],
+                drafter=NgramDrafter(),
                 generator=make_generator(seed, self.device) if seq.generator is not None else None,
                 detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
                 cache=self.prefix.fork(seq.cache),

@@ -42,6 +42,7 @@ from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import KVPool, pages_for_tokens
 from model_worker.prefix_cache import CacheState, PrefixCache
 from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
+from model_worker.speculation import NgramDrafter
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarMatcher
@@ -73,7 +74,8 @@ class Sequence:
     grammar: CompiledGrammar | None = None  # a constrained request's compiled constraint
     matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
-    draft: list[int] = field(default_factory=list)  # tokens a grammar forces next, verified by the next forward
+    draft: list[int] = field(default_factory=list)  # tokens guessed next (`Engine._propose`), verified by the next forward
+    drafter: NgramDrafter = field(default_factory=NgramDrafter)  # its text's index, for those guesses
     index: int = 0  # which of the request's `sampling.n` samples this is
     forks: int = 0  # samples still to be forked from this one when its prefill ends (`Engine._fork`)
     blocked: bool = False  # a step passed it over: it waited in the queue for room (pages, batch, token budget)
