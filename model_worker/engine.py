@@ -651,7 +651,9 @@ class Engine:
     # -- convenience -------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
         """Runs `prompts` together to completion; the generated token ids of each (eos included when hit), and of
-        each sample in turn when `sampling.n` > 1."""
+        each sample in turn when `sampling.n` > 1. No prompts: none."""
+        if not prompts:
+            return []
         results: dict[tuple[str, int], list[int]] = {}
         done = threading.Event()
         remaining = [len(prompts) * sampling.n]

@@ -65,6 +65,7 @@ def test_batched_equals_alone_and_seeded_sampling_is_batch_independent(engine):
     assert engine.generate(PROMPTS, GREEDY) == alone
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=11, max_new_tokens=12, ignore_eos=True)
     assert engine.generate(PROMPTS[:1], seeded) == engine.generate(PROMPTS[:3], seeded)[:1]
+    assert engine.generate([], GREEDY) == []  # nothing to wait for (it used to raise "engine idle")
     engine.check_integrity()
 
 
