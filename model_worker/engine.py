@@ -445,6 +445,7 @@ class Engine:
                 seq.draft = self.tokenizer.encode(forced, add_special_tokens=False)[:room]
         elif self._speculative_tokens:
             wanted = min(self._speculative_tokens, room, DRAFT_ROWS // len(self.scheduler.running) - 1)
+            seq.drafter = seq.drafter or NgramDrafter()
             seq.draft = seq.drafter.propose(seq.token_ids, wanted)
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
@@ -459,8 +460,11 @@ class Engine:
         # a constrained row's mask depends on the tokens taken before it; unconstrained rows are chosen at once
         choices = None if seq.matcher is not None else sample(logits, [GREEDY_ROW] * len(logits))
         for j in range(len(draft) + 1):
-            (token,) = choices[j:j + 1] if choices is not None else sample(
-                logits[j:j + 1], [GREEDY_ROW], lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
+            if choices is not None:
+                token = choices[j]
+            else:
+                (token,) = sample(logits[j:j + 1], [GREEDY_ROW],
+                                  lambda masked: self._mask.apply(masked, [(0, seq.matcher)]))
             logprob = (None if raw is None or token is None
                        else token_logprobs(raw[j:j + 1], [token], [seq.sampling.top_logprobs])[0])
             if not self._take(seq, token, logprob):
@@ -478,8 +482,7 @@ class Engine:
             sampling = seq.sampling
             seed = None if sampling.seed is None else (sampling.seed + index) % 2**64
             sample = dataclasses.replace(
-                seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[], draft=[],
-                drafter=NgramDrafter(),
+                seq, token_ids=list(seq.token_ids), index=index, forks=0, prompt_logprobs=[], draft=[], drafter=None,
                 generator=make_generator(seed, self.device) if seq.generator is not None else None,
                 detokenizer=IncrementalDetokenizer(self.tokenizer), stop_filter=StopStringFilter(sampling.stop),
                 cache=self.prefix.fork(seq.cache),

@@ -42,10 +42,11 @@ from model_worker.detokenizer import IncrementalDetokenizer, StopStringFilter
 from model_worker.kv_pool import KVPool, pages_for_tokens
 from model_worker.prefix_cache import CacheState, PrefixCache
 from model_worker.request import RequestOutput, SamplingParams, TokenLogprob
-from model_worker.speculation import NgramDrafter
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar, GrammarMatcher
+
+    from model_worker.speculation import NgramDrafter
 
 
 PEAK_HORIZON_S = 1.0  # longer than a closed-loop round trip between two rounds, short enough to forget a burst
@@ -75,7 +76,7 @@ class Sequence:
     matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
     draft: list[int] = field(default_factory=list)  # tokens guessed next (`Engine._propose`), verified by the next forward
-    drafter: NgramDrafter = field(default_factory=NgramDrafter)  # its text's index, for those guesses
+    drafter: NgramDrafter | None = None  # its text's index for prompt-lookup guesses, made at its first one
     index: int = 0  # which of the request's `sampling.n` samples this is
     forks: int = 0  # samples still to be forked from this one when its prefill ends (`Engine._fork`)
     blocked: bool = False  # a step passed it over: it waited in the queue for room (pages, batch, token budget)
