@@ -56,8 +56,19 @@ def test_drafts_give_greedy_tokens_in_fewer_forwards(engines):
 
 def test_sampled_requests_get_no_drafts(engines):
     engine = engines[3]
+    rows, model = [], engine.model
+
+    def counted(input_ids, *rest):
+        rows.append(len(input_ids))
+        return model(input_ids, *rest)
+
+    engine.model = counted
     outputs: list[RequestOutput] = []
     engine.add_request("s", [504, 5575, 436, 281] * 8, SamplingParams(temperature=0.8, seed=1, max_new_tokens=12,
                                                                        ignore_eos=True), outputs.append)
-    steps = run_until_idle(engine)
+    try:
+        steps = run_until_idle(engine)
+    finally:
+        engine.model = model
     assert sum(len(o.token_ids) for o in outputs) == 12 and steps == 12  # one token a forward
+    assert rows == [32] + [1] * 11  # the prompt, then each decode without a draft, accepted or not
