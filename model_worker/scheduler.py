@@ -75,7 +75,7 @@ class Sequence:
     grammar: CompiledGrammar | None = None  # a constrained request's compiled constraint
     matcher: GrammarMatcher | None = None  # a constrained sequence's place in its grammar (`model_worker.grammar`)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far; sent with the first token
-    draft: list[int] = field(default_factory=list)  # tokens guessed next (`Engine._propose`), verified by the next forward
+    draft: list[int] = field(default_factory=list)  # guessed next (`Engine._propose`), verified by the next forward
     drafter: NgramDrafter | None = None  # its text's index for prompt-lookup guesses, made at its first one
     index: int = 0  # which of the request's `sampling.n` samples this is
     forks: int = 0  # samples still to be forked from this one when its prefill ends (`Engine._fork`)
