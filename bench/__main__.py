@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import cache, engine, lang, machine, radix_match, resolved_dtype, sampling, tiers, workloads
+from bench import cache, engine, exactness, lang, machine, radix_match, resolved_dtype, sampling, tiers, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -40,6 +40,7 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     suites: dict[str, tuple[str, Callable[[], list]]] = {  # JSON key: (table title, run)
         "engine": (f"engine ({dtype})", lambda: engine.run(dtype=dtype)),
+        "exactness": (f"outputs with and without cache hits ({dtype})", lambda: exactness.run(dtype)),
         "cache": (f"KV cache ({dtype})", lambda: cache.run(dtype)),
         "tiers": (f"disk tier L3 ({dtype})", lambda: tiers.run(dtype)),
         "radix_match": ("radix index, in process", radix_match.run),
