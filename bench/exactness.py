@@ -11,14 +11,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from bench import Row
 from bench.workloads import corpus_tokens
 from model_worker.config import EngineConfig
 from model_worker.engine import Engine
 from model_worker.loader import resolve_model
-from model_worker.request import RequestOutput, SamplingParams
+from model_worker.prefix_cache import CacheRequest, CacheState
+from model_worker.request import SamplingParams
 
 PROMPTS = 200  # the issue's "at least 200 prompts"
 BATCH = 4  # hits sent together
@@ -26,14 +26,10 @@ NEW_TOKENS = 16
 LENGTHS = (48, 199)  # prompt tokens, drawn uniformly: a few pages to a dozen, each with a partial last page
 
 
-class Answer(NamedTuple):
-    token_ids: list[int]
-    cached_tokens: int  # prompt tokens the engine reused from its pool
-
-
 @dataclass(frozen=True)
 class Exactness:
-    """Outputs of the same prompts, first cold and then as prefix hits; tokens as the engine reported them."""
+    """Outputs of the same prompts, first cold and then as prefix hits; reused tokens as `PrefixCache.cached_tokens`
+    found them cached just before each run (what admission then reuses, with no kvcached lease)."""
 
     prompts: int
     differ: int  # prompts whose greedy outputs were not the same token ids
@@ -53,36 +49,22 @@ def corpus_prompts(corpus: Sequence[int], count: int, seed: int = 0) -> list[lis
 def measure(engine: Engine, prompts: Sequence[list[int]], batch: int = BATCH,
             new_tokens: int = NEW_TOKENS) -> Exactness:
     """Each group of `batch` prompts: one at a time (cold), then together (hits), before the next group, so that
-    the pages they cached are still in the pool. `engine` must not be started (its steps run here)."""
+    the pages they cached are still in the pool. `engine` must not be started (`Engine.generate` steps it here)."""
     greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     differ = cold_cached = hit_cached = 0
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
-        cold = [_generate(engine, [prompt], greedy)[0] for prompt in group]
-        hits = _generate(engine, group, greedy)
-        differ += sum(c.token_ids != h.token_ids for c, h in zip(cold, hits))
-        cold_cached += sum(c.cached_tokens for c in cold)
-        hit_cached += sum(h.cached_tokens for h in hits)
+        cold = []
+        for prompt in group:
+            cold_cached += _cached(engine, prompt)
+            cold += engine.generate([prompt], greedy)
+        hit_cached += sum(_cached(engine, prompt) for prompt in group)
+        differ += sum(c != h for c, h in zip(cold, engine.generate(list(group), greedy)))
     return Exactness(len(prompts), differ, sum(map(len, prompts)), cold_cached, hit_cached)
 
 
-def _generate(engine: Engine, prompts: Sequence[list[int]], sampling: SamplingParams) -> list[Answer]:
-    """Runs `prompts` together to the end; their answers, in order."""
-    tokens: dict[str, list[int]] = {}
-    final: dict[str, RequestOutput] = {}
-
-    def collect(output: RequestOutput) -> None:
-        tokens.setdefault(output.request_id, []).extend(output.token_ids)
-        if output.finish_reason is not None:
-            final[output.request_id] = output
-
-    ids = [f"exactness-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, sampling, collect)
-    while len(final) < len(ids):
-        if not engine.step():
-            raise RuntimeError("engine idle with unfinished requests")
-    return [Answer(tokens[i], final[i].cached_tokens_l1) for i in ids]
+def _cached(engine: Engine, prompt: list[int]) -> int:
+    return engine.prefix.cached_tokens(prompt, CacheState(CacheRequest()))
 
 
 def run(dtype: str, model_dir: Path | None = None, prompts: int = PROMPTS) -> list[Row]:
